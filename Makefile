@@ -1,0 +1,35 @@
+# Every target sets itself up: the first run creates .venv and installs the project into it.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed-stamp
+PIP := $(PY) -m pip install -q --disable-pip-version-check -c constraints.txt
+export OMP_NUM_THREADS ?= 1
+
+.PHONY: setup test demo lint bench clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml constraints.txt
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) torch==2.13.0
+	$(PIP) -e '.[dev]'
+	@touch $@
+
+test: $(STAMP)
+	$(PY) -m pytest -q tests
+
+demo: $(STAMP)
+	@bash scripts/demo.sh
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check src tests
+	$(VENV)/bin/ruff format --check src tests
+	$(VENV)/bin/mypy
+
+bench: $(STAMP)
+	$(VENV)/bin/unbroken bench ledger
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,106 @@
+"""The ``unbroken`` umbrella CLI: reports, fault plans, benchmarks."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from unbroken import __version__
+
+logger = logging.getLogger(__name__)
+
+
+def init_logging(level: int = logging.INFO) -> None:
+    """The one place logging is configured; only CLIs call it."""
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s [%(name)s] %(message)s")
+
+
+def _cmd_report(args: argparse.Namespace) -> int:
+    from unbroken.ledger import goodput, read_run, report
+
+    result = read_run(args.run_dir)
+    if not result.events:
+        print(f"error: the ledger in {args.run_dir} has no records", file=sys.stderr)
+        return 2
+    rep = goodput.compute(result.events, reference_rank=args.reference_rank)
+    if args.json:
+        text = report.to_json(rep)
+        if args.json == "-":
+            print(text)
+        else:
+            Path(args.json).write_text(text + "\n")
+    if args.json != "-":
+        print(report.format_table(rep))
+        if result.torn_lines or result.bad_lines:
+            print(
+                f"\nnote: skipped {result.torn_lines} torn last line(s) and "
+                f"{len(result.bad_lines)} unparsable line(s) in {result.files} ledger files"
+            )
+    return 0
+
+
+def _cmd_faults_show(args: argparse.Namespace) -> int:
+    from unbroken.faults import KINDS, load_plan
+
+    plan = load_plan(args.plan)
+    if args.world_size is not None:
+        plan.check_world(args.world_size)
+    if not len(plan):
+        print(f"{args.plan}: no faults")
+        return 0
+    print(f"{args.plan}: {len(plan)} fault(s), in firing order")
+    for f in plan.faults:
+        print(f"  after step {f.step:>5} on rank {f.rank:>3}: {f.kind:<10} {KINDS[f.kind]}")
+    return 0
+
+
+def _cmd_bench(args: argparse.Namespace) -> int:
+    from unbroken.bench import ledger as bench_ledger
+
+    if args.bench == "ledger":
+        return bench_ledger.main(args)
+    raise AssertionError(args.bench)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="unbroken", description=__doc__)
+    p.add_argument("--version", action="version", version=f"unbroken {__version__}")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    r = sub.add_parser("report", help="goodput figures of a run directory")
+    r.add_argument("run_dir", help="the --run-dir of a training job")
+    r.add_argument("--json", metavar="PATH", help="also write the figures as JSON ('-': stdout)")
+    r.add_argument("--reference-rank", type=int, default=0, help="rank whose steps are timed")
+    r.set_defaults(func=_cmd_report)
+
+    f = sub.add_parser("faults", help="fault plans")
+    fsub = f.add_subparsers(dest="faults_command", required=True)
+    fs = fsub.add_parser("show", help="print a plan's schedule as it will fire")
+    fs.add_argument("plan", help="a fault plan (YAML)")
+    fs.add_argument("--world-size", type=int, default=None, help="check ranks against a world")
+    fs.set_defaults(func=_cmd_faults_show)
+
+    b = sub.add_parser("bench", help="benchmarks")
+    bsub = b.add_subparsers(dest="bench", required=True)
+    from unbroken.bench import ledger as bench_ledger
+
+    bench_ledger.add_arguments(bsub.add_parser("ledger", help="cost of ledger records"))
+    b.set_defaults(func=_cmd_bench)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    init_logging()
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args))
+    except (ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,105 @@
+"""Every environment variable a launcher hands a worker, named once.
+
+The torchrun names are the contract with unmodified torchrun scripts and with Kubernetes
+operators; the ``UNBROKEN_*`` names are ours.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+# torchrun's worker environment
+RANK = "RANK"
+LOCAL_RANK = "LOCAL_RANK"
+WORLD_SIZE = "WORLD_SIZE"
+LOCAL_WORLD_SIZE = "LOCAL_WORLD_SIZE"
+GROUP_RANK = "GROUP_RANK"
+ROLE_RANK = "ROLE_RANK"
+ROLE_WORLD_SIZE = "ROLE_WORLD_SIZE"
+MASTER_ADDR = "MASTER_ADDR"
+MASTER_PORT = "MASTER_PORT"
+RESTART_COUNT = "TORCHELASTIC_RESTART_COUNT"
+MAX_RESTARTS = "TORCHELASTIC_MAX_RESTARTS"
+RUN_ID = "TORCHELASTIC_RUN_ID"
+USE_AGENT_STORE = "TORCHELASTIC_USE_AGENT_STORE"
+ERROR_FILE = "TORCHELASTIC_ERROR_FILE"
+OMP_NUM_THREADS = "OMP_NUM_THREADS"
+
+# ours
+UNBROKEN_RUN_DIR = "UNBROKEN_RUN_DIR"
+UNBROKEN_RUN_ID = "UNBROKEN_RUN_ID"
+
+
+def _int(environ: Mapping[str, str], name: str, default: int) -> int:
+    raw = environ.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise ValueError(f"environment variable {name}={raw!r} is not an integer") from None
+
+
+@dataclass(frozen=True, kw_only=True)
+class WorkerEnv:
+    """What a worker learns about its place in the job from its environment."""
+
+    rank: int
+    """Global rank (0 when not launched by a launcher)."""
+    local_rank: int
+    """Rank on this node."""
+    world_size: int
+    """Number of ranks in the job."""
+    local_world_size: int
+    """Number of ranks on this node."""
+    group_rank: int
+    """This node's rank among the nodes."""
+    master_addr: str | None
+    """Host of the store the launcher set up, or None for a standalone process."""
+    master_port: int | None
+    """Port of that store."""
+    restart_count: int
+    """How many times the launcher restarted the workers (the attempt number)."""
+    run_id: str | None
+    """The job's run id given by the launcher."""
+    use_agent_store: bool
+    """True when the launcher hosts the store at MASTER_ADDR:MASTER_PORT (connect as client)."""
+    run_dir: Path | None
+    """Run directory handed down by ``unbroken-run``."""
+
+    def __post_init__(self) -> None:
+        if self.world_size < 1:
+            raise ValueError(f"{WORLD_SIZE} must be >= 1, got {self.world_size}")
+        if not 0 <= self.rank < self.world_size:
+            raise ValueError(
+                f"{RANK}={self.rank} is outside [0, {WORLD_SIZE}={self.world_size}); "
+                "check the launcher's environment"
+            )
+
+    @property
+    def launched(self) -> bool:
+        """True when a launcher (torchrun or unbroken-run) started this process."""
+        return self.master_addr is not None
+
+    @classmethod
+    def from_environ(cls, environ: Mapping[str, str] | None = None) -> WorkerEnv:
+        e = os.environ if environ is None else environ
+        world = _int(e, WORLD_SIZE, 1)
+        port_raw = e.get(MASTER_PORT)
+        run_dir = e.get(UNBROKEN_RUN_DIR)
+        return cls(
+            rank=_int(e, RANK, 0),
+            local_rank=_int(e, LOCAL_RANK, 0),
+            world_size=world,
+            local_world_size=_int(e, LOCAL_WORLD_SIZE, world),
+            group_rank=_int(e, GROUP_RANK, 0),
+            master_addr=e.get(MASTER_ADDR) or None,
+            master_port=_int(e, MASTER_PORT, 0) if port_raw else None,
+            restart_count=_int(e, RESTART_COUNT, 0),
+            run_id=e.get(UNBROKEN_RUN_ID) or e.get(RUN_ID) or None,
+            use_agent_store=e.get(USE_AGENT_STORE) == "True",
+            run_dir=Path(run_dir) if run_dir else None,
+        )

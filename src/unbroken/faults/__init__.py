@@ -1,0 +1,18 @@
+"""Fault injection from a deterministic plan.
+
+Owns the plan format (YAML) and the injectors that fire it. Imports nothing else of ours: the
+ledger is passed in as an event sink.
+"""
+
+from unbroken.faults.inject import FaultInjector, InjectedFault
+from unbroken.faults.plan import KINDS, FaultPlan, FaultSpec, load_plan, parse_plan
+
+__all__ = [
+    "KINDS",
+    "FaultInjector",
+    "FaultPlan",
+    "FaultSpec",
+    "InjectedFault",
+    "load_plan",
+    "parse_plan",
+]

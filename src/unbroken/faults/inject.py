@@ -1,0 +1,116 @@
+"""Fire planned faults from the training step hook, once per run.
+
+Once-per-run: before a fault fires, its claim file ``<run_dir>/faults/fired/<index>.json`` is
+created exclusively (``O_EXCL``) and fsynced with its directory, so a restarted worker (a new
+process or a new in-process iteration) sees it and does not fire again, even when the fault
+killed the machine's page cache along with the process.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Any, Protocol
+
+from unbroken.faults.plan import FaultPlan, FaultSpec
+
+logger = logging.getLogger(__name__)
+
+
+class InjectedFault(RuntimeError):
+    """The exception raised by an ``exception`` fault."""
+
+
+class EventSink(Protocol):
+    """What the injector needs of a ledger (``unbroken.ledger.Ledger`` fits)."""
+
+    def emit(self, kind: str, *, ts: float | None = None, **data: Any) -> Any: ...
+
+    def flush(self, timeout_s: float = 5.0) -> bool: ...
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class FaultInjector:
+    """Fires the faults of ``plan`` that target ``rank``."""
+
+    def __init__(
+        self,
+        plan: FaultPlan,
+        *,
+        run_dir: str | os.PathLike[str],
+        rank: int,
+        sink: EventSink | None = None,
+    ) -> None:
+        self.plan = plan
+        self.rank = rank
+        self.sink = sink
+        self.fired_dir = Path(run_dir) / "faults" / "fired"
+        self.fired_dir.mkdir(parents=True, exist_ok=True)
+
+    def fired(self) -> list[int]:
+        """Indices of the faults already fired in this run (by any process)."""
+        return sorted(int(p.stem) for p in self.fired_dir.glob("*.json"))
+
+    def on_step(self, step: int) -> None:
+        """Call after ``step`` completes. May raise, hang, or end the process."""
+        for spec in self.plan.at(step, self.rank):
+            if self._claim(spec):
+                self._fire(spec)
+
+    def _claim(self, spec: FaultSpec) -> bool:
+        path = self.fired_dir / f"{spec.index}.json"
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        except FileExistsError:
+            return False
+        try:
+            record = {
+                "index": spec.index,
+                "step": spec.step,
+                "rank": spec.rank,
+                "kind": spec.kind,
+                "ts": time.time(),
+                "pid": os.getpid(),
+            }
+            os.write(fd, json.dumps(record).encode())
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        _fsync_dir(self.fired_dir)
+        return True
+
+    def _fire(self, spec: FaultSpec) -> None:
+        logger.warning("injecting fault %s", spec.describe())
+        if self.sink is not None:
+            self.sink.emit("fault_injected", fault=spec.kind, step=spec.step, index=spec.index)
+            self.sink.flush()
+        if spec.kind == "exception":
+            raise InjectedFault(f"injected fault {spec.describe()}")
+        if spec.kind == "sigkill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        elif spec.kind == "sigterm":
+            os.kill(os.getpid(), signal.SIGTERM)
+        elif spec.kind == "hang":
+            _hang()
+        else:  # pragma: no cover - FaultSpec validates kinds
+            raise AssertionError(spec.kind)
+        # A signal handler may have returned (sigterm with a handler that does not exit);
+        # give the signal a moment to take effect, as a real fault would.
+        time.sleep(1.0)
+
+
+def _hang() -> None:
+    """Keep executing Python without ever making progress."""
+    while True:
+        time.sleep(0.01)

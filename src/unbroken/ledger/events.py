@@ -1,0 +1,142 @@
+"""The goodput event schema: one record per line, one dataclass for all kinds.
+
+Every record has ``ts`` (epoch seconds), ``run``, ``rank``, ``attempt`` (launcher restarts),
+``iteration`` (in-process restarts) and ``kind``. Kind-specific fields live in ``data`` and are
+flattened into the JSON object.
+
+Interval convention: a record that carries ``dur_s`` describes the interval
+``[ts - dur_s, ts]``; it is written when the interval ends. A process that dies inside an
+interval leaves no record of it; the report counts that time by what else covered it
+(detection, recovery) or as ``other``.
+
+Rank ``-1`` is a launcher agent (not a training process).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+# --- kinds -----------------------------------------------------------------------------------
+PROCESS_START = "process_start"  # ts = the process's creation time; data: pid, host
+PHASE = "phase"  # interval; data: name (one of PHASES)
+STEP = "step"  # interval from the previous step boundary; data: step, loss
+CKPT_STAGE = "ckpt_stage"  # interval the trainer was blocked by a save; data: step, bytes
+CKPT_PERSIST = "ckpt_persist"  # background interval; data: step, bytes
+CKPT_COMMIT = "ckpt_commit"  # data: step
+CKPT_SKIP = "ckpt_skip"  # data: step, reason
+CKPT_FAIL = "ckpt_fail"  # data: step, error
+CKPT_LOAD = "ckpt_load"  # interval; data: step (restored, or None), tier ("disk", "memory", "none")
+FAULT_INJECTED = "fault_injected"  # data: fault (kind), step, index (position in the plan)
+FAULT_DETECTED = "fault_detected"  # data: cause, detector, layer, fault_rank
+RESTART_BEGIN = "restart_begin"  # data: layer, cause
+RESTART_END = "restart_end"  # data: layer
+WORKER_EXIT = "worker_exit"  # data: exit_code, signal
+ESCALATE = "escalate"  # data: reason
+JOB_END = "job_end"  # data: status ("ok" | "failed"), final_state_sha256
+
+KINDS = frozenset(
+    {
+        PROCESS_START,
+        PHASE,
+        STEP,
+        CKPT_STAGE,
+        CKPT_PERSIST,
+        CKPT_COMMIT,
+        CKPT_SKIP,
+        CKPT_FAIL,
+        CKPT_LOAD,
+        FAULT_INJECTED,
+        FAULT_DETECTED,
+        RESTART_BEGIN,
+        RESTART_END,
+        WORKER_EXIT,
+        ESCALATE,
+        JOB_END,
+    }
+)
+
+# Phase names: each maps to the badput category of the same name, except "import" -> startup.
+PHASES = frozenset({"import", "rendezvous", "pg_init", "model_build", "data", "shutdown"})
+
+# Layers that recover a fault.
+LAYERS = ("inprocess", "launcher", "orchestrator")
+
+LAUNCHER_RANK = -1
+
+_COMMON = ("ts", "run", "rank", "attempt", "iteration", "kind")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Event:
+    """One ledger record."""
+
+    kind: str
+    """What happened; one of KINDS."""
+    ts: float = field(default_factory=time.time)
+    """Epoch seconds when it happened (the end, for interval records)."""
+    run: str = ""
+    """The run id, shared by every process of one job."""
+    rank: int = 0
+    """Global rank of the emitting process; -1 for a launcher agent."""
+    attempt: int = 0
+    """Launcher restart count of the emitting process."""
+    iteration: int = 0
+    """In-process restart count of the emitting process."""
+    data: dict[str, Any] = field(default_factory=dict)
+    """Kind-specific fields (see the module docstring)."""
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"unknown event kind {self.kind!r}; expected one of {sorted(KINDS)}")
+        clash = set(self.data) & set(_COMMON)
+        if clash:
+            raise ValueError(f"event data may not redefine common fields: {sorted(clash)}")
+
+    @property
+    def dur_s(self) -> float | None:
+        d = self.data.get("dur_s")
+        return None if d is None else float(d)
+
+    @property
+    def begin(self) -> float:
+        """Start of the interval for interval records, else ``ts``."""
+        d = self.dur_s
+        return self.ts - d if d is not None else self.ts
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return self.data.get(key, default)
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "ts": self.ts,
+            "run": self.run,
+            "rank": self.rank,
+            "attempt": self.attempt,
+            "iteration": self.iteration,
+            "kind": self.kind,
+        }
+        out.update(self.data)
+        return out
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), separators=(",", ":"), default=str)
+
+    @classmethod
+    def from_dict(cls, obj: dict[str, Any]) -> Event:
+        data = {k: v for k, v in obj.items() if k not in _COMMON}
+        return cls(
+            kind=str(obj["kind"]),
+            ts=float(obj["ts"]),
+            run=str(obj.get("run", "")),
+            rank=int(obj.get("rank", 0)),
+            attempt=int(obj.get("attempt", 0)),
+            iteration=int(obj.get("iteration", 0)),
+            data=data,
+        )
+
+    @classmethod
+    def from_json(cls, line: str) -> Event:
+        return cls.from_dict(json.loads(line))

@@ -1,0 +1,113 @@
+"""Render a ``RunReport`` as a plain-text table or as JSON (standard library only)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+
+from unbroken.ledger.goodput import RunReport
+
+_FAULT_HEADERS = (
+    "#",
+    "kind",
+    "rank",
+    "step",
+    "detector",
+    "layer",
+    "detection s",
+    "recovery s",
+    "steps lost",
+    "restore tier",
+)
+
+
+def _pct(value: float | None) -> str:
+    return "n/a" if value is None else f"{value * 100:.1f}%"
+
+
+def _secs(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3f}"
+
+
+def _text(value: object) -> str:
+    return "-" if value is None else str(value)
+
+
+def _table(headers: Sequence[str], rows: Sequence[Sequence[str]], *, right: set[int]) -> list[str]:
+    """Aligned columns; indices in ``right`` are right-aligned (numbers)."""
+    widths = [len(h) for h in headers]
+    for row in rows:
+        widths = [max(w, len(cell)) for w, cell in zip(widths, row, strict=True)]
+
+    def line(cells: Sequence[str]) -> str:
+        parts = [
+            c.rjust(w) if i in right else c.ljust(w)
+            for i, (c, w) in enumerate(zip(cells, widths, strict=True))
+        ]
+        return "  ".join(parts).rstrip()
+
+    out = [line(headers), "  ".join("-" * w for w in widths)]
+    out.extend(line(row) for row in rows)
+    return out
+
+
+def format_table(report: RunReport) -> str:
+    """A readable report: header figures, the badput breakdown, and one row per fault."""
+    header = [
+        ("run", report.run or "-"),
+        ("wall time", f"{report.wall_s:.3f} s"),
+        ("productive", f"{report.productive_s:.3f} s"),
+        ("training goodput", _pct(report.training_goodput)),
+        ("infra goodput", _pct(report.infra_goodput)),
+        ("checkpoint efficiency", _pct(report.checkpoint_efficiency)),
+        ("ETTR", _pct(report.ettr)),
+        ("steps completed", str(report.steps_completed)),
+        ("attempts", str(report.num_attempts)),
+        ("in-process iterations", str(report.num_iterations)),
+        ("median step time", f"{_secs(report.step_time_s_median)} s"),
+        ("faults", str(len(report.faults))),
+    ]
+    width = max(len(name) for name, _ in header)
+    lines = [f"{name.ljust(width)}  {value}" for name, value in header]
+
+    lines += ["", "badput"]
+    wall = report.wall_s
+    badput = sorted(
+        ((name, s) for name, s in report.badput_s.items() if s > 0),
+        key=lambda item: (-item[1], item[0]),
+    )
+    if badput:
+        rows = [
+            [name, f"{s:.3f}", f"{s / wall * 100:.1f}%" if wall > 0 else "n/a"]
+            for name, s in badput
+        ]
+        lines += _table(("category", "seconds", "% of wall"), rows, right={1, 2})
+    else:
+        lines.append("no badput")
+
+    lines += ["", "faults"]
+    if report.faults:
+        rows = [
+            [
+                str(f.index),
+                _text(f.kind),
+                str(f.rank),
+                _text(f.step),
+                _text(f.detector),
+                _text(f.layer),
+                _secs(f.detection_s),
+                _secs(f.recovery_s),
+                _text(f.steps_lost),
+                _text(f.restore_tier),
+            ]
+            for f in report.faults
+        ]
+        lines += _table(_FAULT_HEADERS, rows, right={0, 2, 3, 6, 7, 8})
+    else:
+        lines.append("no faults")
+    return "\n".join(lines) + "\n"
+
+
+def to_json(report: RunReport) -> str:
+    """The report's ``to_dict()`` as JSON, indented by 2, keys sorted."""
+    return json.dumps(report.to_dict(), indent=2, sort_keys=True)

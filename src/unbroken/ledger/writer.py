@@ -1,0 +1,243 @@
+"""The per-process append-only ledger writer.
+
+``emit`` puts a record on a queue and returns (a few microseconds); a background thread writes
+queued records to ``<run_dir>/events/<host>-p<pid>.jsonl`` with one ``os.write`` per batch on an
+``O_APPEND`` descriptor, so a written record is in the kernel's page cache at once.
+
+What can be lost:
+- SIGKILL of the process: only records still in the queue, i.e. emitted in the last few
+  milliseconds (the writer thread wakes on every put; the bound is the interpreter's thread
+  switch interval, 5 ms, while the main thread holds the GIL). Call ``flush()`` before an action
+  that may kill the process (the fault injector does).
+- A machine crash: records written since the last fsync, at most ``fsync_interval_s``.
+- SIGTERM and normal exit lose nothing: ``close()`` runs from atexit and from the SIGTERM handler
+  installed by ``install_sigterm_flush()``.
+A torn last line (a write cut by a crash) is skipped by the reader.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import logging
+import os
+import queue
+import signal
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+from unbroken.ledger import events as ev
+
+logger = logging.getLogger(__name__)
+
+_STOP = object()
+
+
+def process_start_time() -> float:
+    """Epoch seconds at which this process was created (Linux /proc), else now."""
+    try:
+        stat = Path("/proc/self/stat").read_text()
+        # Field 22 (starttime, clock ticks since boot); fields after the ')' of comm.
+        fields = stat.rsplit(")", 1)[1].split()
+        ticks = int(fields[19])
+        btime = next(
+            int(line.split()[1])
+            for line in Path("/proc/stat").read_text().splitlines()
+            if line.startswith("btime ")
+        )
+        return btime + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, StopIteration):
+        return time.time()
+
+
+class Ledger:
+    """Append-only goodput event stream of one process.
+
+    Not thread-safe for ``set_context``; ``emit`` may be called from any thread.
+    """
+
+    def __init__(
+        self,
+        run_dir: str | os.PathLike[str],
+        *,
+        run: str,
+        rank: int,
+        attempt: int = 0,
+        iteration: int = 0,
+        fsync_interval_s: float = 1.0,
+    ) -> None:
+        if fsync_interval_s <= 0:
+            raise ValueError(f"fsync_interval_s must be > 0, got {fsync_interval_s}")
+        self.run = run
+        self.rank = rank
+        self.attempt = attempt
+        self.iteration = iteration
+        self._fsync_interval_s = fsync_interval_s
+        events_dir = Path(run_dir) / "events"
+        events_dir.mkdir(parents=True, exist_ok=True)
+        self.path = events_dir / f"{socket.gethostname()}-p{os.getpid()}.jsonl"
+        self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._enqueued = 0
+        self._written = 0
+        self._cond = threading.Condition()
+        self._closed = False
+        self._mark = time.time()
+        self._thread = threading.Thread(target=self._run, name="unbroken-ledger", daemon=True)
+        self._thread.start()
+        atexit.register(self.close)
+
+    # --- context -----------------------------------------------------------------------------
+    def set_context(self, *, rank: int | None = None, iteration: int | None = None) -> None:
+        """Change the rank or in-process iteration stamped on later records."""
+        if rank is not None:
+            self.rank = rank
+        if iteration is not None:
+            self.iteration = iteration
+
+    # --- emitting ----------------------------------------------------------------------------
+    def emit(self, kind: str, *, ts: float | None = None, **data: Any) -> ev.Event:
+        """Queue one record; never blocks on I/O."""
+        event = ev.Event(
+            kind=kind,
+            ts=time.time() if ts is None else ts,
+            run=self.run,
+            rank=self.rank,
+            attempt=self.attempt,
+            iteration=self.iteration,
+            data=data,
+        )
+        if self._closed:
+            logger.debug("ledger closed; dropping %s record", kind)
+            return event
+        with self._cond:
+            self._enqueued += 1
+        self._queue.put(event)
+        return event
+
+    def interval(self, kind: str, *, begin: float, end: float | None = None, **data: Any) -> None:
+        """Record an interval ``[begin, end]`` (end defaults to now)."""
+        end = time.time() if end is None else end
+        self.emit(kind, ts=end, dur_s=max(0.0, end - begin), **data)
+
+    def mark(self, ts: float | None = None) -> None:
+        """Set the step boundary: the next ``step`` record's interval starts here."""
+        self._mark = time.time() if ts is None else ts
+
+    def step(self, step: int, **data: Any) -> None:
+        """Record a completed training step; its interval starts at the previous boundary."""
+        now = time.time()
+        self.emit(ev.STEP, ts=now, step=step, dur_s=max(0.0, now - self._mark), **data)
+        self._mark = now
+
+    @contextmanager
+    def phase(self, name: str, **data: Any) -> Iterator[None]:
+        """Record the enclosed block as a phase; moves the step boundary to its end."""
+        if name not in ev.PHASES:
+            raise ValueError(f"unknown phase {name!r}; expected one of {sorted(ev.PHASES)}")
+        begin = time.time()
+        yield
+        end = time.time()
+        self.interval(ev.PHASE, begin=begin, end=end, name=name, **data)
+        self._mark = end
+
+    # --- durability --------------------------------------------------------------------------
+    def flush(self, timeout_s: float = 5.0) -> bool:
+        """Wait until every record emitted so far is written; returns False on timeout."""
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            target = self._enqueued
+            while self._written < target and self._thread.is_alive():
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._cond.wait(left)
+            return self._written >= target
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Write everything queued, fsync, and stop the writer thread. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._queue.put(_STOP)
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout_s)
+        with contextlib.suppress(Exception):  # interpreter shutdown
+            atexit.unregister(self.close)
+
+    # --- the writer thread -------------------------------------------------------------------
+    def _run(self) -> None:
+        last_sync = time.monotonic()
+        stop = False
+        while not stop:
+            try:
+                item = self._queue.get(timeout=self._fsync_interval_s)
+            except queue.Empty:
+                item = None
+            batch: list[ev.Event] = []
+            if item is _STOP:
+                stop = True
+            elif item is not None:
+                batch.append(item)
+            while True:  # drain what is already queued into one write
+                try:
+                    nxt = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                if nxt is _STOP:
+                    stop = True
+                else:
+                    batch.append(nxt)
+            if batch:
+                self._write(batch)
+            now = time.monotonic()
+            if stop or (now - last_sync >= self._fsync_interval_s):
+                self._fsync()
+                last_sync = now
+        self._fsync()
+        os.close(self._fd)
+
+    def _write(self, batch: list[ev.Event]) -> None:
+        payload = "".join(e.to_json() + "\n" for e in batch).encode()
+        try:
+            view = memoryview(payload)
+            while view:
+                n = os.write(self._fd, view)
+                view = view[n:]
+        except OSError:
+            logger.exception("ledger write to %s failed; %d records lost", self.path, len(batch))
+        with self._cond:
+            self._written += len(batch)
+            self._cond.notify_all()
+
+    def _fsync(self) -> None:
+        try:
+            os.fsync(self._fd)
+        except OSError:
+            logger.warning("fsync of %s failed", self.path)
+
+
+def install_sigterm_flush(ledger: Ledger) -> None:
+    """On SIGTERM: close the ledger (writing every record), then die of SIGTERM as before.
+
+    Only from the main thread; chains to a previously installed Python handler.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        return
+    previous = signal.getsignal(signal.SIGTERM)
+
+    def handler(signum: int, frame: FrameType | None) -> None:
+        ledger.close()
+        if callable(previous):
+            previous(signum, frame)
+            return
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    signal.signal(signal.SIGTERM, handler)

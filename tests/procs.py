@@ -1,0 +1,92 @@
+"""Run the project's CLIs as subprocesses, in their own process group, never leaking them."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+SRC = Path(__file__).resolve().parents[1] / "src"
+VENV_BIN = Path(sys.executable).parent
+
+
+@dataclass
+class Result:
+    returncode: int
+    output: str
+
+    def hashes(self) -> list[str]:
+        return re.findall(r"final_state_sha256=([0-9a-f]{64})", self.output)
+
+
+def worker_env(**extra: str) -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(SRC) + os.pathsep + env.get("PYTHONPATH", "")
+    env["OMP_NUM_THREADS"] = "1"
+    env.update(extra)
+    return env
+
+
+def run(cmd: list[str], *, timeout_s: float, env: dict[str, str] | None = None) -> Result:
+    """Run ``cmd`` to completion; on timeout kill its whole process group and fail."""
+    proc = subprocess.Popen(
+        cmd,
+        env=env or worker_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+        text=True,
+    )
+    try:
+        out, _ = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired as e:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        raise AssertionError(f"{cmd} timed out after {timeout_s}s; output:\n{out[-4000:]}") from e
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)  # stragglers of the group, if any
+    return Result(proc.returncode, out)
+
+
+def train_cmd(
+    run_dir: Path,
+    *,
+    nproc: int | None,
+    steps: int,
+    extra: list[str] = (),
+    torchrun_args: list[str] = (),
+) -> list[str]:
+    args = [
+        "-m",
+        "unbroken.workload.train",
+        "--run-dir",
+        str(run_dir),
+        "--steps",
+        str(steps),
+        "--seq-len",
+        "32",
+        *extra,
+    ]
+    if nproc is None:
+        return [sys.executable, *args]
+    return [
+        str(VENV_BIN / "torchrun"),
+        "--standalone",
+        "--nproc-per-node",
+        str(nproc),
+        "--monitor-interval",
+        "0.1",
+        *torchrun_args,
+        *args,
+    ]
+
+
+def final(run_dir: Path) -> dict:
+    return json.loads((run_dir / "final.json").read_text())
