@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed-stamp
 PIP := $(PY) -m pip install -q --disable-pip-version-check -c constraints.txt
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: setup test demo lint bench clean
+.PHONY: setup test demo lint bench clean browser
 
 setup: $(STAMP)
 
@@ -17,7 +17,16 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PIP) -e '.[dev]'
 	@touch $@
 
-test: $(STAMP)
+# The HTML report test drives Debian's Chromium (no browser download); install it if missing.
+browser:
+	@command -v chromium >/dev/null || { \
+	  echo "installing Debian's chromium for the HTML report test"; \
+	  export DEBIAN_FRONTEND=noninteractive; \
+	  apt-get install -y -q chromium >/dev/null 2>&1 || \
+	  { apt-get update -q >/dev/null && apt-get install -y -q chromium >/dev/null; } || \
+	  { echo "could not install chromium: run 'apt-get install chromium' as root" >&2; exit 1; }; }
+
+test: $(STAMP) browser
 	$(PY) -m pytest -q tests
 
 demo: $(STAMP)

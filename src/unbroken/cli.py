@@ -20,25 +20,37 @@ def init_logging(level: int = logging.INFO) -> None:
 
 def _cmd_report(args: argparse.Namespace) -> int:
     from unbroken.ledger import goodput, read_run, report
+    from unbroken.ledger.html import RunView, render
 
-    result = read_run(args.run_dir)
-    if not result.events:
-        print(f"error: the ledger in {args.run_dir} has no records", file=sys.stderr)
-        return 2
-    rep = goodput.compute(result.events, reference_rank=args.reference_rank)
-    if args.json:
-        text = report.to_json(rep)
-        if args.json == "-":
-            print(text)
-        else:
-            Path(args.json).write_text(text + "\n")
-    if args.json != "-":
-        print(report.format_table(rep))
-        if result.torn_lines or result.bad_lines:
-            print(
-                f"\nnote: skipped {result.torn_lines} torn last line(s) and "
-                f"{len(result.bad_lines)} unparsable line(s) in {result.files} ledger files"
-            )
+    views = []
+    for run_dir in args.run_dirs:
+        result = read_run(run_dir)
+        if not result.events:
+            print(f"error: the ledger in {run_dir} has no records", file=sys.stderr)
+            return 2
+        rep = goodput.compute(result.events, reference_rank=args.reference_rank)
+        views.append(RunView(Path(run_dir).name, rep, result.events))
+        if args.json:
+            text = report.to_json(rep)
+            if args.json == "-":
+                print(text)
+            elif len(args.run_dirs) == 1:
+                Path(args.json).write_text(text + "\n")
+        if args.json != "-":
+            if len(args.run_dirs) > 1:
+                print(f"== {run_dir}")
+            print(report.format_table(rep))
+            if result.torn_lines or result.bad_lines:
+                print(
+                    f"\nnote: skipped {result.torn_lines} torn last line(s) and "
+                    f"{len(result.bad_lines)} unparsable line(s) in {result.files} ledger files"
+                )
+    if args.json and args.json != "-" and len(args.run_dirs) > 1:
+        Path(args.json).write_text(report.to_json_many([v.report for v in views]) + "\n")
+    if args.html:
+        Path(args.html).write_text(render(views))
+        if args.json != "-":
+            print(f"\nHTML report: {Path(args.html).resolve()}")
     return 0
 
 
@@ -70,9 +82,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--version", action="version", version=f"unbroken {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
 
-    r = sub.add_parser("report", help="goodput figures of a run directory")
-    r.add_argument("run_dir", help="the --run-dir of a training job")
+    r = sub.add_parser("report", help="goodput figures of run directories")
+    r.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="the --run-dir of a job")
     r.add_argument("--json", metavar="PATH", help="also write the figures as JSON ('-': stdout)")
+    r.add_argument("--html", metavar="OUT", help="also write a self-contained HTML report")
     r.add_argument("--reference-rank", type=int, default=0, help="rank whose steps are timed")
     r.set_defaults(func=_cmd_report)
 

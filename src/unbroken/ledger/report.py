@@ -111,3 +111,8 @@ def format_table(report: RunReport) -> str:
 def to_json(report: RunReport) -> str:
     """The report's ``to_dict()`` as JSON, indented by 2, keys sorted."""
     return json.dumps(report.to_dict(), indent=2, sort_keys=True)
+
+
+def to_json_many(reports: list[RunReport]) -> str:
+    """Several reports as one JSON list, in the given order."""
+    return json.dumps([r.to_dict() for r in reports], indent=2, sort_keys=True)
