@@ -57,7 +57,7 @@ def _cmd_report(args: argparse.Namespace) -> int:
 def _cmd_faults_show(args: argparse.Namespace) -> int:
     from unbroken.faults import KINDS, load_plan
 
-    plan = load_plan(args.plan)
+    plan = load_plan(args.plan, world_size=args.world_size)
     if args.world_size is not None:
         plan.check_world(args.world_size)
     if not len(plan):
@@ -65,7 +65,7 @@ def _cmd_faults_show(args: argparse.Namespace) -> int:
         return 0
     print(f"{args.plan}: {len(plan)} fault(s), in firing order")
     for f in plan.faults:
-        print(f"  after step {f.step:>5} on rank {f.rank:>3}: {f.kind:<10} {KINDS[f.kind]}")
+        print(f"  after step {f.step:>5} on rank {f.rank:>3}: {f.kind:<15} {KINDS[f.kind]}")
     return 0
 
 

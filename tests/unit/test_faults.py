@@ -115,3 +115,94 @@ def test_sigkill_really_kills_and_is_recorded_first(tmp_path: Path) -> None:
     # Re-running the same plan in the same run dir does not fire again.
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, timeout=60)
     assert proc.returncode == 0 and b"survived" in proc.stdout
+
+
+def _run_fault(tmp_path: Path, kind: str, params: str = "") -> subprocess.Popen[bytes]:
+    code = textwrap.dedent(
+        f"""
+        from unbroken.faults import FaultInjector, parse_plan
+        plan = parse_plan({{"faults": [{{"step": 0, "rank": 0, "kind": {kind!r}{params}}}]}})
+        FaultInjector(plan, run_dir={str(tmp_path)!r}, rank=0).on_step(0)
+        print("survived")
+        """
+    )
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).parents[2] / "src"))
+    return subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE)
+
+
+def test_segfault_is_a_real_sigsegv(tmp_path: Path) -> None:
+    proc = _run_fault(tmp_path, "segfault")
+    assert proc.wait(timeout=60) == -signal.SIGSEGV
+
+
+def test_oom_kill_grows_memory_then_dies_of_sigkill(tmp_path: Path) -> None:
+    proc = _run_fault(tmp_path, "oom-kill", ', "limit_mb": 32')
+    assert proc.wait(timeout=60) == -signal.SIGKILL
+
+
+def test_hang_collective_blocks_in_native_code(tmp_path: Path) -> None:
+    import time
+
+    proc = _run_fault(tmp_path, "hang-collective")
+    try:
+        deadline = time.monotonic() + 30
+        while not (tmp_path / "faults" / "fired" / "0.json").exists():
+            assert time.monotonic() < deadline and proc.poll() is None
+            time.sleep(0.02)
+        time.sleep(0.2)
+        assert proc.poll() is None  # still blocked
+        # Sleeping in the kernel (S), not spinning: no Python runs on its main thread.
+        state = Path(f"/proc/{proc.pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        assert state == "S"
+        cpu_before = sum(
+            int(v)
+            for v in Path(f"/proc/{proc.pid}/stat").read_text().rsplit(")", 1)[1].split()[11:13]
+        )
+        time.sleep(0.3)
+        cpu_after = sum(
+            int(v)
+            for v in Path(f"/proc/{proc.pid}/stat").read_text().rsplit(")", 1)[1].split()[11:13]
+        )
+        assert cpu_after - cpu_before <= 1  # clock ticks: it is not executing
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)
+
+
+def test_random_schedule_is_deterministic_and_in_range() -> None:
+    spec = {
+        "random": {"count": 5, "kinds": ["exception", "sigkill"], "seed": 42, "steps": [10, 90]}
+    }
+    a = parse_plan(spec, world_size=4)
+    b = parse_plan(spec, world_size=4)
+    assert [(f.step, f.rank, f.kind) for f in a.faults] == [
+        (f.step, f.rank, f.kind) for f in b.faults
+    ]
+    assert len(a) == 5 and len({f.step for f in a.faults}) == 5
+    assert all(10 <= f.step <= 90 and 0 <= f.rank < 4 for f in a.faults)
+    assert {f.kind for f in a.faults} <= {"exception", "sigkill"}
+    c = parse_plan({"random": {**spec["random"], "seed": 43}}, world_size=4)
+    assert [f.step for f in c.faults] != [f.step for f in a.faults]
+    # Listed faults and a random schedule combine.
+    both = parse_plan({"faults": [{"step": 1, "rank": 0, "kind": "hang"}], **spec}, world_size=4)
+    assert len(both) == 6 and both.faults[0].kind == "hang"
+
+
+@pytest.mark.parametrize(
+    ("rnd", "msg"),
+    [
+        ({"count": 5, "kinds": ["sigkill"], "seed": 1, "steps": [0, 2]}, "do not fit"),
+        ({"count": 1, "kinds": ["meteor"], "seed": 1, "steps": [0, 2]}, "random.kinds"),
+        ({"count": 1, "kinds": ["sigkill"], "seed": 1, "steps": [5, 2]}, "random.steps"),
+        ({"count": 1, "kinds": ["sigkill"], "steps": [0, 2]}, "lacks"),
+        ({"count": 1, "kinds": ["sigkill"], "seed": 1, "steps": [0, 2], "x": 1}, "unknown"),
+    ],
+)
+def test_bad_random_schedules(rnd: dict[str, Any], msg: str) -> None:
+    with pytest.raises(ValueError, match=msg):
+        parse_plan({"random": rnd}, world_size=2)
+
+
+def test_random_schedule_without_ranks_needs_the_world() -> None:
+    with pytest.raises(ValueError, match="needs the world size"):
+        parse_plan({"random": {"count": 1, "kinds": ["sigkill"], "seed": 1, "steps": [0, 2]}})

@@ -103,6 +103,12 @@ class FaultInjector:
             os.kill(os.getpid(), signal.SIGTERM)
         elif spec.kind == "hang":
             _hang()
+        elif spec.kind == "hang-collective":
+            _hang_native()
+        elif spec.kind == "segfault":
+            _segfault()
+        elif spec.kind == "oom-kill":
+            _oom_kill(int(spec.params.get("limit_mb", 256)))
         else:  # pragma: no cover - FaultSpec validates kinds
             raise AssertionError(spec.kind)
         # A signal handler may have returned (sigterm with a handler that does not exit);
@@ -114,3 +120,24 @@ def _hang() -> None:
     """Keep executing Python without ever making progress."""
     while True:
         time.sleep(0.01)
+
+
+def _hang_native() -> None:
+    """Block forever inside one native call: no Python bytecode runs on this thread again."""
+    r, _w = os.pipe()
+    os.read(r, 1)  # nobody ever writes to _w
+
+
+def _segfault() -> None:
+    """A real segmentation fault: read address 0."""
+    import ctypes
+
+    ctypes.string_at(0)
+
+
+def _oom_kill(limit_mb: int) -> None:
+    """Grow resident memory to ``limit_mb``, then die of SIGKILL as an OOM kill does."""
+    hog = []
+    for _ in range(max(1, limit_mb)):
+        hog.append(bytearray(1 << 20))  # zero-filled: really resident
+    os.kill(os.getpid(), signal.SIGKILL)

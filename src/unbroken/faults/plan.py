@@ -9,10 +9,19 @@ A plan is YAML (or the equivalent dict)::
 Each entry fires once per run, after the given rank completes the given step (in the step hook,
 before that step's checkpoint), even across restarts. Extra keys of an entry are
 kind-specific parameters and are kept in ``params``.
+
+A seeded random schedule expands deterministically into entries (added to any listed ones)::
+
+    random: {count: 5, kinds: [exception, sigkill], seed: 42, steps: [10, 90], ranks: [0, 1]}
+
+Steps are drawn without replacement from ``[lo, hi]`` (one fault per step), kinds and ranks
+uniformly; ``ranks`` defaults to every rank of the world, so such a plan needs the world size
+(``resolve_plan``/``load_plan(world_size=...)``).
 """
 
 from __future__ import annotations
 
+import random as _random
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,6 +35,15 @@ KINDS: dict[str, str] = {
     "sigkill": "the rank's process kills itself with SIGKILL",
     "sigterm": "the rank's process sends itself SIGTERM",
     "hang": "the rank stops making progress (a Python loop that never returns)",
+    "hang-collective": (
+        "the rank blocks forever in native code (no Python runs); its peers block in their "
+        "next collective waiting for it"
+    ),
+    "segfault": "the rank's process dies of a real SIGSEGV (a read of address 0)",
+    "oom-kill": (
+        "emulated OOM kill: the rank allocates limit_mb (default 256) of memory, then is "
+        "SIGKILLed as the kernel's OOM killer would (no cgroup limit is set here)"
+    ),
 }
 
 
@@ -85,16 +103,70 @@ class FaultPlan:
 _REQUIRED = ("step", "rank", "kind")
 
 
-def parse_plan(obj: Any, *, source: str = "plan") -> FaultPlan:
+_RANDOM_KEYS = {"count", "kinds", "seed", "steps", "ranks"}
+
+
+def _expand_random(spec: Any, *, source: str, world_size: int | None) -> list[dict[str, Any]]:
+    """The entries of a seeded random schedule, in draw order."""
+    if not isinstance(spec, Mapping):
+        raise ValueError(f"{source}: 'random' must be a mapping, got {spec!r:.80}")
+    unknown = set(spec) - _RANDOM_KEYS
+    missing = {"count", "kinds", "seed", "steps"} - set(spec)
+    if unknown or missing:
+        raise ValueError(
+            f"{source}: 'random' has unknown keys {sorted(unknown)} / lacks {sorted(missing)}; "
+            f"it takes {sorted(_RANDOM_KEYS)} (ranks optional)"
+        )
+    count, kinds, seed, steps = spec["count"], spec["kinds"], spec["seed"], spec["steps"]
+    if not isinstance(count, int) or count < 0:
+        raise ValueError(f"{source}: random.count must be an integer >= 0, got {count!r}")
+    if not isinstance(kinds, list) or not kinds or any(k not in KINDS for k in kinds):
+        raise ValueError(f"{source}: random.kinds must be a non-empty list of {list(KINDS)}")
+    if not isinstance(seed, int):
+        raise ValueError(f"{source}: random.seed must be an integer, got {seed!r}")
+    if (
+        not isinstance(steps, list)
+        or len(steps) != 2
+        or not all(isinstance(v, int) for v in steps)
+        or not 0 <= steps[0] <= steps[1]
+    ):
+        raise ValueError(f"{source}: random.steps must be [lo, hi] with 0 <= lo <= hi")
+    lo, hi = steps
+    if count > hi - lo + 1:
+        raise ValueError(
+            f"{source}: random.count={count} faults do not fit in steps [{lo}, {hi}] "
+            "(one fault per step); widen the range or lower the count"
+        )
+    ranks = spec.get("ranks")
+    if ranks is None:
+        if world_size is None:
+            raise ValueError(
+                f"{source}: a random schedule without 'ranks' needs the world size; "
+                "pass --world-size or list ranks"
+            )
+        ranks = list(range(world_size))
+    if not isinstance(ranks, list) or not ranks or not all(isinstance(r, int) for r in ranks):
+        raise ValueError(f"{source}: random.ranks must be a non-empty list of integers")
+    rng = _random.Random(seed)
+    chosen = sorted(rng.sample(range(lo, hi + 1), count))
+    return [{"step": st, "rank": rng.choice(ranks), "kind": rng.choice(kinds)} for st in chosen]
+
+
+def parse_plan(obj: Any, *, source: str = "plan", world_size: int | None = None) -> FaultPlan:
     """Build a plan from parsed YAML; raises ValueError naming the bad entry."""
     if obj is None:
         return FaultPlan()
-    if not isinstance(obj, Mapping) or "faults" not in obj:
-        raise ValueError(f"{source}: expected a mapping with a 'faults' list, got {obj!r:.80}")
-    unknown = set(obj) - {"faults"}
+    if not isinstance(obj, Mapping) or not ({"faults", "random"} & set(obj)):
+        raise ValueError(
+            f"{source}: expected a mapping with a 'faults' list and/or a 'random' schedule, "
+            f"got {obj!r:.80}"
+        )
+    unknown = set(obj) - {"faults", "random"}
     if unknown:
-        raise ValueError(f"{source}: unknown top-level keys {sorted(unknown)}; expected 'faults'")
-    entries = obj["faults"] or []
+        raise ValueError(
+            f"{source}: unknown top-level keys {sorted(unknown)}; expected 'faults', 'random'"
+        )
+    entries = obj.get("faults") or []
     if not isinstance(entries, list):
         raise ValueError(f"{source}: 'faults' must be a list, got {type(entries).__name__}")
     specs = []
@@ -119,11 +191,14 @@ def parse_plan(obj: Any, *, source: str = "plan") -> FaultPlan:
                 params=params,
             )
         )
+    if "random" in obj:
+        for entry in _expand_random(obj["random"], source=source, world_size=world_size):
+            specs.append(FaultSpec(index=len(specs), **entry))
     specs.sort(key=lambda f: (f.step, f.rank, f.index))
     return FaultPlan(tuple(specs))
 
 
-def load_plan(path: str | Path) -> FaultPlan:
+def load_plan(path: str | Path, *, world_size: int | None = None) -> FaultPlan:
     """Read a YAML plan; raises ValueError (bad content) or FileNotFoundError."""
     p = Path(path)
     if not p.is_file():
@@ -132,4 +207,4 @@ def load_plan(path: str | Path) -> FaultPlan:
         obj = yaml.safe_load(p.read_text())
     except yaml.YAMLError as e:
         raise ValueError(f"{p}: not valid YAML: {e}") from None
-    return parse_plan(obj, source=str(p))
+    return parse_plan(obj, source=str(p), world_size=world_size)
