@@ -206,3 +206,30 @@ def test_bad_random_schedules(rnd: dict[str, Any], msg: str) -> None:
 def test_random_schedule_without_ranks_needs_the_world() -> None:
     with pytest.raises(ValueError, match="needs the world size"):
         parse_plan({"random": {"count": 1, "kinds": ["sigkill"], "seed": 1, "steps": [0, 2]}})
+
+
+def test_oom_kill_is_the_kernels_where_a_cgroup_can_be_made(tmp_path: Path) -> None:
+    from unbroken.faults import oom
+
+    mech = oom.mechanism()
+    own = oom._own_memory_cgroup()
+    proc = _run_fault(tmp_path, "oom-kill", ', "limit_mb": 32')
+    assert proc.wait(timeout=60) == -signal.SIGKILL
+    if mech == "emulated":
+        return  # no cgroup here: the emulation above is all there is (recorded as such)
+    assert own is not None
+    parent, version = own
+    child = parent / f"unbroken-oom-{proc.pid}"
+    if version == "v1":
+        # The kernel's OOM killer acted (memory.oom_control counts kills in the child)...
+        # ...and the watcher removes the cgroup once the process is gone.
+        import time
+
+        deadline = time.monotonic() + 10
+        while child.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+    assert not child.exists(), f"{child} left behind"
+    # Where the kernel log is readable, it names the kill: the kernel's OOM killer, not ours.
+    log = subprocess.run(["dmesg"], capture_output=True, text=True, check=False)
+    if log.returncode == 0:
+        assert f"Killed process {proc.pid} " in log.stdout

@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 from typing import Any, Protocol
 
+from unbroken.faults import oom
 from unbroken.faults.plan import FaultPlan, FaultSpec
 
 logger = logging.getLogger(__name__)
@@ -93,7 +94,12 @@ class FaultInjector:
     def _fire(self, spec: FaultSpec) -> None:
         logger.warning("injecting fault %s", spec.describe())
         if self.sink is not None:
-            self.sink.emit("fault_injected", fault=spec.kind, step=spec.step, index=spec.index)
+            extra: dict[str, Any] = (
+                {"mechanism": oom.mechanism()} if spec.kind == "oom-kill" else {}
+            )
+            self.sink.emit(
+                "fault_injected", fault=spec.kind, step=spec.step, index=spec.index, **extra
+            )
             self.sink.flush()
         if spec.kind == "exception":
             raise InjectedFault(f"injected fault {spec.describe()}")
@@ -108,7 +114,7 @@ class FaultInjector:
         elif spec.kind == "segfault":
             _segfault()
         elif spec.kind == "oom-kill":
-            _oom_kill(int(spec.params.get("limit_mb", 256)))
+            oom.oom_kill(int(spec.params.get("limit_mb", 256)))
         else:  # pragma: no cover - FaultSpec validates kinds
             raise AssertionError(spec.kind)
         # A signal handler may have returned (sigterm with a handler that does not exit);
@@ -133,11 +139,3 @@ def _segfault() -> None:
     import ctypes
 
     ctypes.string_at(0)
-
-
-def _oom_kill(limit_mb: int) -> None:
-    """Grow resident memory to ``limit_mb``, then die of SIGKILL as an OOM kill does."""
-    hog = []
-    for _ in range(max(1, limit_mb)):
-        hog.append(bytearray(1 << 20))  # zero-filled: really resident
-    os.kill(os.getpid(), signal.SIGKILL)

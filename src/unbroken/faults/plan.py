@@ -41,8 +41,9 @@ KINDS: dict[str, str] = {
     ),
     "segfault": "the rank's process dies of a real SIGSEGV (a read of address 0)",
     "oom-kill": (
-        "emulated OOM kill: the rank allocates limit_mb (default 256) of memory, then is "
-        "SIGKILLed as the kernel's OOM killer would (no cgroup limit is set here)"
+        "the rank enters a child memory cgroup limited to limit_mb (default 256) more than it "
+        "uses and grows until the kernel's OOM killer ends it; where no cgroup can be made, "
+        "emulated (grow, then SIGKILL) and recorded so"
     ),
 }
 
