@@ -1,0 +1,70 @@
+"""The emulated orchestrator baseline: whole-job relaunch with CrashLoopBackOff."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from procs import final, run, train_cmd
+from unbroken.bench.orchestrator import OrchestratorConfig, run_orchestrated, train_command
+from unbroken.ledger import goodput, read_events
+
+pytestmark = pytest.mark.e2e
+
+ARGS = ["--steps", "8", "--seq-len", "32", "--batch-size", "4"]
+
+
+def test_sigkill_relaunches_the_whole_job_and_matches_a_clean_run(tmp_path: Path) -> None:
+    ref = run(
+        train_cmd(tmp_path / "ref", nproc=2, steps=8, extra=["--batch-size", "4"]), timeout_s=120
+    )
+    assert ref.returncode == 0, ref.output[-3000:]
+    plan = tmp_path / "plan.yaml"
+    plan.write_text(
+        "faults:\n  - {step: 3, rank: 1, kind: sigkill}\n  - {step: 5, rank: 0, kind: exception}\n"
+    )
+    run_dir = tmp_path / "job"
+    cfg = OrchestratorConfig(
+        nproc=2, restart_delay_s=0.1, collective_timeout_s=5.0, job_timeout_s=240
+    )
+    res = run_orchestrated(
+        train_command([*ARGS, "--run-dir", str(run_dir), "--faults", str(plan)]),
+        run_dir=run_dir,
+        cfg=cfg,
+    )
+    assert res.returncode == 0, res.output[-3000:]
+    assert res.launches == 3
+    assert final(run_dir)["final_state_sha256"] == ref.hashes()[0]
+    rep = goodput.compute(read_events(run_dir))
+    assert [(f.kind, f.layer) for f in rep.faults] == [
+        ("sigkill", "orchestrator"),
+        ("exception", "orchestrator"),
+    ]
+    # CrashLoopBackOff: the second relaunch waited twice as long as the first.
+    delays = [e.get("delay_s") for e in read_events(run_dir) if e.kind == "restart_begin"]
+    assert delays == [0.1, 0.2]
+    assert all(
+        f.recovery_s is not None and f.recovery_s > d
+        for f, d in zip(rep.faults, delays, strict=True)
+    )
+
+
+def test_budget_exhausted_fails(tmp_path: Path) -> None:
+    plan = tmp_path / "plan.yaml"
+    plan.write_text("faults:\n  - {step: 1, rank: 0, kind: exception}\n")
+    run_dir = tmp_path / "job"
+    res = run_orchestrated(
+        train_command([*ARGS, "--run-dir", str(run_dir), "--faults", str(plan)]),
+        run_dir=run_dir,
+        cfg=OrchestratorConfig(nproc=2, restart_delay_s=0.0, max_restarts=0),
+    )
+    assert res.returncode == 1 and res.launches == 1
+    assert [e.get("status") for e in read_events(run_dir) if e.kind == "job_end"] == ["failed"]
+
+
+def test_config_is_validated() -> None:
+    with pytest.raises(ValueError, match="max_delay_s"):
+        OrchestratorConfig(restart_delay_s=10, max_delay_s=1)
+    with pytest.raises(ValueError, match="nproc"):
+        OrchestratorConfig(nproc=0)
