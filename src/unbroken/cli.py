@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import logging
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from unbroken import __version__
 
@@ -69,12 +71,19 @@ def _cmd_faults_show(args: argparse.Namespace) -> int:
     return 0
 
 
-def _cmd_bench(args: argparse.Namespace) -> int:
-    from unbroken.bench import ledger as bench_ledger
+# name -> (module under unbroken.bench, help); each module has add_arguments(p) and main(args).
+BENCHES: dict[str, tuple[str, str]] = {
+    "ledger": ("ledger", "cost of a ledger record on the training thread"),
+    "recovery": ("recovery", "the published recovery comparison, every layer side by side"),
+}
 
-    if args.bench == "ledger":
-        return bench_ledger.main(args)
-    raise AssertionError(args.bench)
+
+def _bench_module(name: str) -> Any:
+    return importlib.import_module(f"unbroken.bench.{BENCHES[name][0]}")
+
+
+def _cmd_bench(args: argparse.Namespace) -> int:
+    return int(_bench_module(args.bench).main(args))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -98,9 +107,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     b = sub.add_parser("bench", help="benchmarks")
     bsub = b.add_subparsers(dest="bench", required=True)
-    from unbroken.bench import ledger as bench_ledger
-
-    bench_ledger.add_arguments(bsub.add_parser("ledger", help="cost of ledger records"))
+    for name, (_, help_text) in BENCHES.items():
+        _bench_module(name).add_arguments(bsub.add_parser(name, help=help_text))
     b.set_defaults(func=_cmd_bench)
     return p
 

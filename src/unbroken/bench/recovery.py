@@ -1,0 +1,314 @@
+"""``unbroken bench recovery``: the published recovery comparison, reproduced in one command.
+
+The same workload and the same fault plan under each configuration; every figure comes from
+the same ledger code (``unbroken.ledger.goodput``). Configurations:
+
+- ``clean``: no faults (the reference hash and step time);
+- ``baseline``: the emulated orchestrator (Kubernetes alone: survivors wait out their
+  collective timeout, whole-job relaunch after a CrashLoopBackOff delay) — an emulation, so
+  labelled;
+- ``inprocess`` / ``launcher`` (with ``-sync`` variants): registered by the layers that provide
+  them (``RUNNERS``), when present.
+
+Correctness column: a configuration that recovers must end with the clean run's
+``final_state_sha256``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from unbroken.bench.orchestrator import OrchestratorConfig, run_orchestrated, train_command
+from unbroken.faults import parse_plan
+from unbroken.ledger import goodput, read_events
+from unbroken.ledger.html import RunView, render
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Workload:
+    """What every configuration trains."""
+
+    model: str = "tiny"
+    """Reference model size."""
+    steps: int = 200
+    """Training steps."""
+    batch_size: int = 8
+    """Samples per rank per step."""
+    seq_len: int = 64
+    """Tokens per sample."""
+    nproc: int = 2
+    """Ranks."""
+    ckpt_every: int = 25
+    """Steps between checkpoints (0: none)."""
+    pg_timeout_s: float = 10.0
+    """Collective timeout of the workers (what the baseline's survivors wait out)."""
+
+    def args(self, run_dir: Path, *, plan: Path | None, ckpt_mode: str) -> list[str]:
+        out = [
+            "--model",
+            self.model,
+            "--steps",
+            str(self.steps),
+            "--batch-size",
+            str(self.batch_size),
+            "--seq-len",
+            str(self.seq_len),
+            "--run-dir",
+            str(run_dir),
+            "--pg-timeout-s",
+            str(self.pg_timeout_s),
+            "--log-every",
+            str(max(1, self.steps // 10)),
+        ]
+        if self.ckpt_every:
+            out += ["--ckpt-every", str(self.ckpt_every), "--ckpt-mode", ckpt_mode]
+        if plan is not None:
+            out += ["--faults", str(plan)]
+        return out
+
+
+# A runner trains the workload once into run_dir and returns (returncode, output).
+Runner = Callable[[Workload, Path, "Path | None", argparse.Namespace], tuple[int, str]]
+
+
+def _run_clean(
+    w: Workload, run_dir: Path, plan: Path | None, a: argparse.Namespace
+) -> tuple[int, str]:
+    cfg = OrchestratorConfig(nproc=w.nproc, max_restarts=0, job_timeout_s=a.job_timeout_s)
+    res = run_orchestrated(
+        train_command(w.args(run_dir, plan=None, ckpt_mode="async")), run_dir=run_dir, cfg=cfg
+    )
+    return res.returncode, res.output
+
+
+def _run_baseline(
+    w: Workload, run_dir: Path, plan: Path | None, a: argparse.Namespace
+) -> tuple[int, str]:
+    cfg = OrchestratorConfig(
+        nproc=w.nproc,
+        restart_delay_s=a.pod_restart_s,
+        collective_timeout_s=w.pg_timeout_s,
+        max_restarts=a.max_restarts,
+        job_timeout_s=a.job_timeout_s,
+    )
+    res = run_orchestrated(
+        train_command(w.args(run_dir, plan=plan, ckpt_mode=a.ckpt_mode)),
+        run_dir=run_dir,
+        cfg=cfg,
+    )
+    return res.returncode, res.output
+
+
+RUNNERS: dict[str, tuple[str, Runner]] = {
+    "clean": ("no faults", _run_clean),
+    "baseline": ("orchestrator only (emulated Kubernetes restart)", _run_baseline),
+}
+
+
+@dataclass
+class ConfigResult:
+    """One configuration's figures (the JSON row)."""
+
+    config: str
+    label: str
+    returncode: int
+    figures: dict[str, Any] = field(default_factory=dict)
+    final_state_sha256: str | None = None
+    matches_clean: bool | None = None
+
+    def row(self) -> dict[str, Any]:
+        f = self.figures
+        return {
+            "config": self.config,
+            "label": self.label,
+            "returncode": self.returncode,
+            "training_goodput": f.get("training_goodput"),
+            "infra_goodput": f.get("infra_goodput"),
+            "recovery_s": [x["recovery_s"] for x in f.get("faults", [])],
+            "steps_lost": [x["steps_lost"] for x in f.get("faults", [])],
+            "detection_s": [x["detection_s"] for x in f.get("faults", [])],
+            "wall_s": f.get("wall_s"),
+            "checkpoint_efficiency": f.get("checkpoint_efficiency"),
+            "ettr": f.get("ettr"),
+            "final_state_sha256": self.final_state_sha256,
+            "matches_clean": self.matches_clean,
+        }
+
+
+def default_plan(steps: int, count: int, seed: int, kinds: list[str]) -> dict[str, Any]:
+    """The published schedule scaled down: ``count`` faults, seeded, over the middle of the run."""
+    lo, hi = max(1, steps // 10), max(2, steps * 9 // 10)
+    return {"random": {"count": count, "kinds": kinds, "seed": seed, "steps": [lo, hi]}}
+
+
+def run_bench(a: argparse.Namespace) -> list[ConfigResult]:
+    """Run every requested configuration; returns their results (clean first)."""
+    import yaml
+
+    out_dir = Path(a.out).resolve()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    w = Workload(
+        model=a.model,
+        steps=a.steps,
+        batch_size=a.batch_size,
+        seq_len=a.seq_len,
+        nproc=a.nproc,
+        ckpt_every=a.ckpt_every,
+        pg_timeout_s=a.pg_timeout_s,
+    )
+    plan = out_dir / "plan.yaml"
+    if a.plan:
+        spec = yaml.safe_load(Path(a.plan).read_text())
+    else:
+        spec = default_plan(a.steps, a.faults, a.seed, a.kinds)
+    # Every configuration gets the same explicit schedule, expanded once for this world.
+    expanded = parse_plan(spec, source=str(a.plan or "seeded schedule"), world_size=a.nproc)
+    plan.write_text(
+        yaml.safe_dump(
+            {
+                "faults": [
+                    {"step": f.step, "rank": f.rank, "kind": f.kind, **dict(f.params)}
+                    for f in expanded.faults
+                ]
+            },
+            default_flow_style=None,
+        )
+    )
+    print(f"fault plan ({plan}):")
+    for f in expanded.faults:
+        print(f"  {f.describe()}")
+    configs = ["clean", *[c for c in a.configs if c != "clean"]]
+    unknown = [c for c in configs if c not in RUNNERS]
+    if unknown:
+        raise ValueError(f"unknown configurations {unknown}; available: {sorted(RUNNERS)}")
+    results: list[ConfigResult] = []
+    clean_hash = None
+    for name in configs:
+        label, runner = RUNNERS[name]
+        run_dir = out_dir / name
+        print(f"== {name}: {label}", flush=True)
+        t = time.monotonic()
+        code, output = runner(w, run_dir, None if name == "clean" else plan, a)
+        (out_dir / f"{name}.log").write_text(output)
+        res = ConfigResult(name, label, code)
+        final = run_dir / "final.json"
+        if final.exists():
+            res.final_state_sha256 = json.loads(final.read_text())["final_state_sha256"]
+        if name == "clean":
+            clean_hash = res.final_state_sha256
+        res.matches_clean = res.final_state_sha256 is not None and res.final_state_sha256 == (
+            clean_hash
+        )
+        try:
+            res.figures = goodput.compute(read_events(run_dir)).to_dict()
+        except (FileNotFoundError, ValueError) as e:
+            logger.error("%s: no figures: %s", name, e)
+        print(
+            f"   done in {time.monotonic() - t:.1f}s, exit {code}, "
+            f"goodput {_pct(res.figures.get('training_goodput'))}",
+            flush=True,
+        )
+        results.append(res)
+    return results
+
+
+def _pct(x: float | None) -> str:
+    return "–" if x is None else f"{100 * x:.1f}%"
+
+
+def _num(xs: list[Any]) -> str:
+    vals = [x for x in xs if x is not None]
+    if not vals:
+        return "–"
+    return f"{statistics.median(vals):.2f}/{max(vals):.2f}"
+
+
+def format_table(results: list[ConfigResult]) -> str:
+    head = (
+        f"{'config':<12} {'train goodput':>13} {'infra goodput':>13} {'recovery s p50/max':>19} "
+        f"{'steps lost':>12} {'detect s p50':>12} {'ckpt eff':>9} {'ETTR':>7} {'wall s':>8} "
+        f"{'= clean':>8}"
+    )
+    lines = [head, "-" * len(head)]
+    for r in results:
+        row = r.row()
+        lost = [x for x in row["steps_lost"] if x is not None]
+        det = [x for x in row["detection_s"] if x is not None]
+        lines.append(
+            f"{r.config:<12} {_pct(row['training_goodput']):>13} {_pct(row['infra_goodput']):>13} "
+            f"{_num(row['recovery_s']):>19} {(str(sum(lost)) if lost else '–'):>12} "
+            f"{(f'{statistics.median(det):.3f}' if det else '–'):>12} "
+            f"{_pct(row['checkpoint_efficiency']):>9} {_pct(row['ettr']):>7} "
+            f"{(row['wall_s'] or 0):>8.1f} {('yes' if r.matches_clean else 'NO'):>8}"
+        )
+    return "\n".join(lines)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--configs",
+        nargs="+",
+        default=sorted(RUNNERS),
+        help="configurations to run (clean always runs first)",
+    )
+    p.add_argument("--model", default="tiny")
+    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--seq-len", type=int, default=64)
+    p.add_argument("--nproc", type=int, default=2)
+    p.add_argument("--ckpt-every", type=int, default=25)
+    p.add_argument("--ckpt-mode", choices=["async", "sync"], default="async")
+    p.add_argument("--faults", type=int, default=5, help="faults in the seeded schedule")
+    p.add_argument("--kinds", nargs="+", default=["exception", "sigkill"])
+    p.add_argument("--seed", type=int, default=42, help="seed of the fault schedule")
+    p.add_argument("--plan", default=None, help="a fault plan instead of the seeded schedule")
+    p.add_argument("--pg-timeout-s", type=float, default=10.0)
+    p.add_argument(
+        "--pod-restart-s",
+        type=float,
+        default=4.0,
+        help="baseline pod restart delay (published 270 s, scaled to the workload)",
+    )
+    p.add_argument("--max-restarts", type=int, default=20)
+    p.add_argument("--job-timeout-s", type=float, default=900.0)
+    p.add_argument("--out", default="runs/bench-recovery", help="output directory")
+    p.add_argument("--json", metavar="PATH", help="write the table as JSON")
+    p.add_argument(
+        "--html", metavar="PATH", help="write the HTML report (default: OUT/report.html)"
+    )
+
+
+def main(a: argparse.Namespace) -> int:
+    results = run_bench(a)
+    print()
+    print(format_table(results))
+    rows = [r.row() for r in results]
+    if a.json:
+        Path(a.json).write_text(json.dumps(rows, indent=2) + "\n")
+    html_path = Path(a.html or Path(a.out) / "report.html")
+    views = []
+    for r in results:
+        run_dir = Path(a.out) / r.config
+        if r.figures:
+            views.append(
+                RunView(r.config, goodput.compute(read_events(run_dir)), read_events(run_dir))
+            )
+    if views:
+        html_path.write_text(render(views, title="unbroken recovery benchmark"))
+        print(f"\nHTML report: {html_path.resolve()}")
+    bad = [r.config for r in results if r.returncode != 0 or not r.matches_clean]
+    if bad:
+        print(f"\nFAILED: {bad} did not finish with the clean run's state", file=sys.stderr)
+        return 1
+    return 0

@@ -1,0 +1,56 @@
+"""`unbroken bench recovery` end to end, tiny: the table's correctness column and figures."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from procs import run
+
+pytestmark = pytest.mark.e2e
+
+
+def test_bench_recovery_clean_vs_baseline(tmp_path: Path) -> None:
+    out = tmp_path / "bench"
+    res = run(
+        [
+            sys.executable,
+            "-m",
+            "unbroken.cli",
+            "bench",
+            "recovery",
+            "--configs",
+            "baseline",
+            "--steps",
+            "10",
+            "--seq-len",
+            "32",
+            "--batch-size",
+            "4",
+            "--ckpt-every",
+            "0",
+            "--faults",
+            "1",
+            "--kinds",
+            "sigkill",
+            "--pod-restart-s",
+            "0.2",
+            "--out",
+            str(out),
+            "--json",
+            str(tmp_path / "rows.json"),
+        ],
+        timeout_s=240,
+    )
+    assert res.returncode == 0, res.output[-4000:]
+    rows = {r["config"]: r for r in json.loads((tmp_path / "rows.json").read_text())}
+    assert set(rows) == {"clean", "baseline"}
+    assert all(r["matches_clean"] for r in rows.values())
+    assert rows["clean"]["recovery_s"] == [] and rows["clean"]["infra_goodput"] == 1.0
+    assert len(rows["baseline"]["recovery_s"]) == 1 and rows["baseline"]["recovery_s"][0] > 0.2
+    assert rows["baseline"]["training_goodput"] < rows["clean"]["training_goodput"]
+    assert (out / "report.html").read_text().count("polyline") >= 2
+    assert "clean" in res.output and "baseline" in res.output
