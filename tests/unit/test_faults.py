@@ -140,10 +140,10 @@ def test_oom_kill_grows_memory_then_dies_of_sigkill(tmp_path: Path) -> None:
     assert proc.wait(timeout=60) == -signal.SIGKILL
 
 
-def test_hang_collective_blocks_in_native_code(tmp_path: Path) -> None:
+def test_hang_native_blocks_in_native_code(tmp_path: Path) -> None:
     import time
 
-    proc = _run_fault(tmp_path, "hang-collective")
+    proc = _run_fault(tmp_path, "hang-native")
     try:
         deadline = time.monotonic() + 30
         while not (tmp_path / "faults" / "fired" / "0.json").exists():

@@ -110,6 +110,8 @@ class FaultInjector:
         elif spec.kind == "hang":
             _hang()
         elif spec.kind == "hang-collective":
+            _hang_collective()
+        elif spec.kind == "hang-native":
             _hang_native()
         elif spec.kind == "segfault":
             _segfault()
@@ -126,6 +128,21 @@ def _hang() -> None:
     """Keep executing Python without ever making progress."""
     while True:
         time.sleep(0.01)
+
+
+def _hang_collective() -> None:
+    """Block in a receive the neighbour never sends (needs an initialized process group).
+
+    An abort of the group (closing its connections) frees it, as it frees the peers.
+    """
+    import torch
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_world_size() < 2:
+        _hang_native()  # nothing to wait on: the closest equivalent
+    src = (dist.get_rank() + 1) % dist.get_world_size()
+    dist.recv(torch.zeros(1), src=src, tag=0x7FFF)  # nobody sends with this tag
+    raise RuntimeError("hang-collective: the receive returned without a sender")
 
 
 def _hang_native() -> None:

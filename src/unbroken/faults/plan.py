@@ -36,8 +36,12 @@ KINDS: dict[str, str] = {
     "sigterm": "the rank's process sends itself SIGTERM",
     "hang": "the rank stops making progress (a Python loop that never returns)",
     "hang-collective": (
-        "the rank blocks forever in native code (no Python runs); its peers block in their "
-        "next collective waiting for it"
+        "the rank blocks in a point-to-point receive from its neighbour that never comes (in "
+        "torch.distributed, native code); its peers block in their next collective"
+    ),
+    "hang-native": (
+        "the rank blocks forever in a native call outside torch (a pipe read: no Python runs "
+        "and no abort reaches it); its peers block in their next collective"
     ),
     "segfault": "the rank's process dies of a real SIGSEGV (a read of address 0)",
     "oom-kill": (
