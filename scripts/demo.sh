@@ -1,27 +1,19 @@
 #!/usr/bin/env bash
-# make demo: the reference job on 2 CPU ranks under torchrun, with two injected faults, then
-# the goodput report of the run. (The recovery comparison of the published experiment replaces
-# this once in-process restart and unbroken-run land.)
+# make demo: the published recovery comparison, scaled down to this machine (a few minutes).
+# One seeded 5-fault schedule (exception, sigkill, hang) on 2 CPU ranks, the same job under:
+#   clean      no faults (the reference final state)
+#   inprocess  in-process restart with unbroken-run behind it (every layer)
+#   launcher   unbroken-run restarts only (--no-inprocess)
+#   baseline   an emulation of Kubernetes alone: whole-job relaunch with CrashLoopBackOff
+# then the table (training/infrastructure goodput, recovery, steps lost, = clean?) and an
+# HTML report.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-BIN=.venv/bin
-RUN_DIR=${RUN_DIR:-runs/demo-$(date +%Y%m%d-%H%M%S)}
-mkdir -p "$RUN_DIR"
-cat > "$RUN_DIR/plan.yaml" <<'YAML'
-faults:
-  - {step: 15, rank: 1, kind: sigkill}
-  - {step: 30, rank: 0, kind: exception}
-YAML
-echo "== fault plan"
-$BIN/unbroken faults show "$RUN_DIR/plan.yaml" --world-size 2
-echo "== training: 2 ranks, FSDP2 on gloo, 40 steps, restarts by torchrun (no checkpoints yet)"
+OUT=${OUT:-runs/demo-$(date +%Y%m%d-%H%M%S)}
 export OMP_NUM_THREADS=1
-$BIN/torchrun --standalone --nproc-per-node 2 --max-restarts 2 --monitor-interval 0.1 \
-  -m unbroken.workload.train --steps 40 --batch-size 4 --seq-len 64 --log-every 5 \
-  --run-dir "$RUN_DIR" --faults "$RUN_DIR/plan.yaml" 2>&1 \
-  | grep -E "step [0-9]+ loss|final_state|injecting|Worker.*failed|Restarting" || true
-test -f "$RUN_DIR/final.json" || { echo "demo: the run did not finish" >&2; exit 1; }
-echo "== goodput report"
-$BIN/unbroken report "$RUN_DIR" --json "$RUN_DIR/report.json"
-echo
-echo "run directory: $RUN_DIR (ledger in events/, figures in report.json)"
+exec .venv/bin/unbroken bench recovery \
+  --configs inprocess launcher baseline \
+  --model tiny --steps 300 --batch-size 8 --seq-len 64 --ckpt-every 25 \
+  --faults 5 --kinds exception sigkill hang --seed 42 \
+  --hang-timeout-s 2 --pg-timeout-s 10 --pod-restart-s 2 \
+  --out "$OUT" --json "$OUT/results.json" "$@"

@@ -90,3 +90,38 @@ def train_cmd(
 
 def final(run_dir: Path) -> dict:
     return json.loads((run_dir / "final.json").read_text())
+
+
+def unbroken_run_cmd(
+    run_dir: Path,
+    *,
+    nproc: int,
+    steps: int | None,
+    extra: list[str] = (),
+    launcher_args: list[str] = (),
+    target: list[str] = ("-m", "unbroken.workload.train"),
+    standalone: bool = True,
+) -> list[str]:
+    """``unbroken-run`` (as ``python -m unbroken.launcher.cli``) running ``target``.
+
+    With the reference script (the default target) and ``steps`` set, the script gets
+    ``--run-dir run_dir --steps N --seq-len 32``; the launcher always gets ``--ft-run-dir``.
+    """
+    script = list(target)
+    if steps is not None:
+        script += ["--run-dir", str(run_dir), "--steps", str(steps), "--seq-len", "32"]
+    return [
+        sys.executable,
+        "-m",
+        "unbroken.launcher.cli",
+        *(["--standalone"] if standalone else []),
+        "--nproc-per-node",
+        str(nproc),
+        "--monitor-interval",
+        "0.05",
+        "--ft-run-dir",
+        str(run_dir),
+        *launcher_args,
+        *script,
+        *extra,
+    ]

@@ -1,8 +1,47 @@
 """unbroken: keeps PyTorch distributed training productive through faults.
 
-The public API. Importing ``unbroken`` does not import torch.
+The public API. Importing ``unbroken`` does not import torch: names that need it load on
+first use.
 """
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+from unbroken.errors import UnbrokenError
+
+if TYPE_CHECKING:
+    from unbroken.checkpoint import Checkpointer, CheckpointError, PerRank
+    from unbroken.launcher.client import heartbeat
+    from unbroken.restart import RestartConfig, RestartContext, run
 
 __version__ = "0.1.0"
 
-__all__ = ["__version__"]
+__all__ = [
+    "CheckpointError",
+    "Checkpointer",
+    "PerRank",
+    "RestartConfig",
+    "RestartContext",
+    "UnbrokenError",
+    "__version__",
+    "heartbeat",
+    "run",
+]
+
+_LAZY = {
+    "Checkpointer": "unbroken.checkpoint",
+    "CheckpointError": "unbroken.checkpoint",
+    "PerRank": "unbroken.checkpoint",
+    "RestartConfig": "unbroken.restart",
+    "RestartContext": "unbroken.restart",
+    "run": "unbroken.restart",
+    "heartbeat": "unbroken.launcher.client",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'unbroken' has no attribute {name!r}")

@@ -75,6 +75,8 @@ def _cmd_faults_show(args: argparse.Namespace) -> int:
 BENCHES: dict[str, tuple[str, str]] = {
     "ledger": ("ledger", "cost of a ledger record on the training thread"),
     "recovery": ("recovery", "the published recovery comparison, every layer side by side"),
+    "checkpoint": ("checkpoint", "checkpoint stall and efficiency: none, DCP sync/async, ours"),
+    "restart": ("restart", "launcher restart: SIGKILL/SIGSTOP -> training again, vs torchrun"),
 }
 
 

@@ -103,3 +103,19 @@ class WorkerEnv:
             use_agent_store=e.get(USE_AGENT_STORE) == "True",
             run_dir=Path(run_dir) if run_dir else None,
         )
+
+
+# torchrun's worker environment, continued (set by unbroken-run as torchrun does)
+GROUP_WORLD_SIZE = "GROUP_WORLD_SIZE"
+ROLE_NAME = "ROLE_NAME"
+NCCL_ASYNC_ERROR_HANDLING = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
+
+# ours, set by unbroken-run for every worker
+UNBROKEN_ROUND = "UNBROKEN_ROUND"
+"""The globally agreed restart round of the job (also passed as TORCHELASTIC_RESTART_COUNT)."""
+UNBROKEN_HEARTBEAT_ADDR = "UNBROKEN_HEARTBEAT_ADDR"
+"""host:port of the node agent's heartbeat monitor (UDP); unset outside unbroken-run."""
+UNBROKEN_HEARTBEAT_INTERVAL_S = "UNBROKEN_HEARTBEAT_INTERVAL_S"
+"""Least seconds between two heartbeat datagrams of one worker (unless its step changed)."""
+UNBROKEN_STORE_ADDR = "UNBROKEN_STORE_ADDR"
+"""host:port of an agent-hosted TCPStore that lives for the whole job (coordination store)."""

@@ -131,3 +131,32 @@ def test_sigkill_loses_at_most_the_last_moments(tmp_path: Path) -> None:
     # Records are emitted every 0.1 s: everything emitted more than 0.3 s before the kill is
     # on disk (the loss window is the queue, milliseconds, not the fsync interval).
     assert res.events[-1].ts >= killed_at - 0.3
+
+
+def test_sigterm_is_prompt_while_the_main_thread_is_blocked_in_native_code(
+    tmp_path: Path,
+) -> None:
+    code = textwrap.dedent(
+        """
+        import os, sys
+        from datetime import timedelta
+        import torch.distributed as dist
+        from unbroken.ledger import Ledger, install_sigterm_flush
+        led = Ledger(sys.argv[1], run="r", rank=0)
+        install_sigterm_flush(led)
+        for i in range(100):
+            led.emit("step", step=i)
+        store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, timeout=timedelta(hours=1))
+        print("blocked", flush=True)
+        store.wait(["never"])  # C++ wait that retries on EINTR: Python handlers do not run
+        """
+    )
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).parents[2] / "src"))
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code, str(tmp_path)], env=env, stdout=subprocess.PIPE, text=True
+    )
+    assert proc.stdout is not None and proc.stdout.readline().strip() == "blocked"
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=20) == -signal.SIGTERM
+    proc.stdout.close()
+    assert [e.get("step") for e in read_events(tmp_path)] == list(range(100))

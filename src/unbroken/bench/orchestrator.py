@@ -214,5 +214,6 @@ def _cause(code: int) -> str:
 
 
 def train_command(args: Sequence[str]) -> list[str]:
-    """The reference script as a plain process (no launcher)."""
-    return [sys.executable, "-m", "unbroken.workload.train", *args]
+    """The reference script as a plain process: no launcher and no in-process restart (the
+    baseline has no in-job recovery; a fault ends the process)."""
+    return [sys.executable, "-m", "unbroken.workload.train", "--no-inprocess", *args]

@@ -17,10 +17,16 @@ Correctness column: a configuration that recovers must end with the clean run's
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import logging
+import os
+import re
+import signal
 import statistics
+import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -110,8 +116,99 @@ def _run_baseline(
     return res.returncode, res.output
 
 
+def _run_unbroken(
+    w: Workload,
+    run_dir: Path,
+    plan: Path | None,
+    a: argparse.Namespace,
+    *,
+    inprocess: bool,
+    ckpt_mode: str,
+) -> tuple[int, str]:
+    """The job under ``unbroken-run``: with in-process restart (every layer) or without it."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    script = w.args(run_dir, plan=plan, ckpt_mode=ckpt_mode)
+    if inprocess:
+        script += [
+            "--soft-timeout-s",
+            str(a.hang_timeout_s),
+            "--hard-timeout-s",
+            str(a.hang_timeout_s * 3),
+        ]
+    else:
+        script.append("--no-inprocess")
+    cmd = [
+        sys.executable,
+        "-m",
+        "unbroken.launcher.cli",
+        "--standalone",
+        "--nproc-per-node",
+        str(w.nproc),
+        "--max-restarts",
+        str(a.max_restarts),
+        "--monitor-interval",
+        "0.05",
+        "--ft-run-dir",
+        str(run_dir),
+        # The launcher's hang timeout sits above in-process restart's hard timeout.
+        "--ft-steady-timeout-s",
+        str(a.hang_timeout_s * (4 if inprocess else 1)),
+        "-m",
+        "unbroken.workload.train",
+        *script,
+    ]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.Popen(
+        cmd,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    killer = threading.Timer(a.job_timeout_s, lambda: os.killpg(proc.pid, signal.SIGKILL))
+    killer.start()
+    lines = []
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:  # progress while it runs: steps, faults, restarts
+            lines.append(line)
+            if _PROGRESS.search(line):
+                print(f"   {line.rstrip()[-110:]}", flush=True)
+        proc.wait()
+    finally:
+        killer.cancel()
+        if proc.stdout is not None:
+            proc.stdout.close()
+    return proc.returncode, "".join(lines)
+
+
+_PROGRESS = re.compile(r"step \d+ loss|injecting fault|restarting \(|in-process restart|giving up")
+
+
+def _unbroken(*, inprocess: bool, mode: str) -> Runner:
+    """A runner under unbroken-run: every layer (``inprocess``) or the launcher alone."""
+    return functools.partial(_run_unbroken, inprocess=inprocess, ckpt_mode=mode)
+
+
 RUNNERS: dict[str, tuple[str, Runner]] = {
     "clean": ("no faults", _run_clean),
+    "inprocess": (
+        "in-process restart, launcher behind it, async ckpt",
+        _unbroken(inprocess=True, mode="async"),
+    ),
+    "inprocess-sync": (
+        "in-process restart, launcher behind it, sync ckpt",
+        _unbroken(inprocess=True, mode="sync"),
+    ),
+    "launcher": (
+        "unbroken-run restarts only, async ckpt",
+        _unbroken(inprocess=False, mode="async"),
+    ),
+    "launcher-sync": (
+        "unbroken-run restarts only, sync ckpt",
+        _unbroken(inprocess=False, mode="sync"),
+    ),
     "baseline": ("orchestrator only (emulated Kubernetes restart)", _run_baseline),
 }
 
@@ -270,10 +367,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ckpt-every", type=int, default=25)
     p.add_argument("--ckpt-mode", choices=["async", "sync"], default="async")
     p.add_argument("--faults", type=int, default=5, help="faults in the seeded schedule")
-    p.add_argument("--kinds", nargs="+", default=["exception", "sigkill"])
+    p.add_argument("--kinds", nargs="+", default=["exception", "sigkill", "hang"])
     p.add_argument("--seed", type=int, default=42, help="seed of the fault schedule")
     p.add_argument("--plan", default=None, help="a fault plan instead of the seeded schedule")
     p.add_argument("--pg-timeout-s", type=float, default=10.0)
+    p.add_argument(
+        "--hang-timeout-s",
+        type=float,
+        default=2.0,
+        help="no step for this long is a hang (in-process soft / launcher timeout)",
+    )
     p.add_argument(
         "--pod-restart-s",
         type=float,

@@ -40,19 +40,20 @@ _STOP = object()
 
 
 def process_start_time() -> float:
-    """Epoch seconds at which this process was created (Linux /proc), else now."""
+    """Epoch seconds at which this process was created (Linux /proc), else now.
+
+    ``/proc/stat``'s boot time is whole seconds, so it is not used: the age of the process is
+    ``uptime - starttime`` (both in 10 ms resolution), subtracted from now.
+    """
     try:
         stat = Path("/proc/self/stat").read_text()
         # Field 22 (starttime, clock ticks since boot); fields after the ')' of comm.
-        fields = stat.rsplit(")", 1)[1].split()
-        ticks = int(fields[19])
-        btime = next(
-            int(line.split()[1])
-            for line in Path("/proc/stat").read_text().splitlines()
-            if line.startswith("btime ")
-        )
-        return btime + ticks / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError, StopIteration):
+        ticks = int(stat.rsplit(")", 1)[1].split()[19])
+        now = time.time()
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
+        age = uptime - ticks / os.sysconf("SC_CLK_TCK")
+        return now - max(0.0, age)
+    except (OSError, ValueError, IndexError):
         return time.time()
 
 
@@ -161,15 +162,15 @@ class Ledger:
             return self._written >= target
 
     def close(self, timeout_s: float = 5.0) -> None:
-        """Write everything queued, fsync, and stop the writer thread. Idempotent."""
-        if self._closed:
-            return
-        self._closed = True
-        self._queue.put(_STOP)
+        """Write everything queued, fsync, and stop the writer thread. Idempotent; every caller
+        (a signal handler racing a normal exit, say) returns only once the writing is done."""
+        if not self._closed:
+            self._closed = True
+            self._queue.put(_STOP)
+            with contextlib.suppress(Exception):  # interpreter shutdown
+                atexit.unregister(self.close)
         if threading.current_thread() is not self._thread:
             self._thread.join(timeout_s)
-        with contextlib.suppress(Exception):  # interpreter shutdown
-            atexit.unregister(self.close)
 
     # --- the writer thread -------------------------------------------------------------------
     def _run(self) -> None:
@@ -226,7 +227,12 @@ class Ledger:
 def install_sigterm_flush(ledger: Ledger) -> None:
     """On SIGTERM: close the ledger (writing every record), then die of SIGTERM as before.
 
-    Only from the main thread; chains to a previously installed Python handler.
+    Prompt even when the main thread is blocked in native code (a collective, a store wait),
+    where a Python signal handler only runs once that call returns: the interpreter's C-level
+    handler writes the signal number to a wakeup fd, and a small thread reading it closes the
+    ledger and re-raises SIGTERM with the default action. Falls back to a plain Python handler
+    when the wakeup fd is taken (e.g. by asyncio), and chains to a Python handler already
+    installed. Main thread only.
     """
     if threading.current_thread() is not threading.main_thread():
         return
@@ -237,7 +243,44 @@ def install_sigterm_flush(ledger: Ledger) -> None:
         if callable(previous):
             previous(signum, frame)
             return
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        os.kill(os.getpid(), signal.SIGTERM)
+        _die_of_sigterm()
 
     signal.signal(signal.SIGTERM, handler)
+    if callable(previous):
+        return
+    r, w = os.pipe()
+    os.set_blocking(w, False)
+    try:
+        old_fd = signal.set_wakeup_fd(w, warn_on_full_buffer=False)
+    except ValueError:  # pragma: no cover - not the main thread of the main interpreter
+        old_fd = -2
+    if old_fd != -1:  # someone else's: give it back and rely on the Python handler
+        if old_fd >= 0:
+            signal.set_wakeup_fd(old_fd)
+        os.close(r)
+        os.close(w)
+        return
+
+    def watch() -> None:
+        while True:
+            data = os.read(r, 64)
+            if not data or signal.SIGTERM in data:
+                break
+        ledger.close()
+        _die_of_sigterm()
+
+    threading.Thread(target=watch, name="unbroken-sigterm", daemon=True).start()
+
+
+def _die_of_sigterm() -> None:
+    """End the process by SIGTERM's default action, from any thread."""
+    import ctypes
+
+    try:  # signal.signal() is main-thread only; the C library's is process-wide
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.signal(ctypes.c_int(signal.SIGTERM), ctypes.c_void_p(0))  # SIG_DFL
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(1.0)
+    finally:
+        os._exit(128 + signal.SIGTERM)

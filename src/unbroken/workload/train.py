@@ -6,11 +6,18 @@ end it prints ``final_state_sha256=<hex>`` (a hash over the gathered model and o
 identical on every rank) and rank 0 writes it, with the loss curve, to ``<run_dir>/final.json``.
 
 Ledger phases: import (process start → main), pg_init, model_build, data, steps, shutdown.
+
+Checkpoints (``--ckpt-every N``): on start the newest sound checkpoint under ``--ckpt-dir`` is
+restored (model, optimizer, sampler position, per-rank RNG state, loss curve) and training
+continues with the step after it; after every N completed steps a save is staged (async: the
+trainer is blocked only for the copy, overlapped with the next forward/backward); the
+checkpointer is closed (last save durable) before the final hash.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
@@ -30,14 +37,18 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.elastic.multiprocessing.errors import record
 
+from unbroken import restart
+from unbroken.checkpoint import Checkpointer, PerRank
 from unbroken.env import WorkerEnv
 from unbroken.faults import FaultInjector, FaultPlan, load_plan
+from unbroken.launcher.client import heartbeat
 from unbroken.ledger import Ledger, install_sigterm_flush, process_start_time
 from unbroken.ledger import events as ev
 from unbroken.workload import data as wdata
 from unbroken.workload import model as wmodel
 from unbroken.workload.dist import default_backend, init_process_group
 from unbroken.workload.parallel import wrap_model
+from unbroken.workload.rng import capture_rng_state, restore_rng_state
 from unbroken.workload.statehash import state_sha256
 
 logger = logging.getLogger("unbroken.workload.train")
@@ -67,6 +78,29 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     p.add_argument("--pg-timeout-s", type=float, default=60.0, help="collective timeout")
     p.add_argument("--log-every", type=int, default=10, help="log the loss every N steps")
+    p.add_argument(
+        "--no-inprocess",
+        action="store_true",
+        help="no in-process restart: a fault ends the process (the launcher restarts it)",
+    )
+    p.add_argument(
+        "--soft-timeout-s", type=float, default=60.0, help="no step for this long: restart"
+    )
+    p.add_argument(
+        "--hard-timeout-s", type=float, default=90.0, help="no step for this long: kill the rank"
+    )
+    p.add_argument(
+        "--ckpt-every", type=int, default=0, help="checkpoint after every N steps (0: off)"
+    )
+    p.add_argument("--ckpt-dir", default=None, help="checkpoint directory (<run_dir>/ckpt)")
+    p.add_argument("--ckpt-mode", choices=["async", "sync"], default="async")
+    p.add_argument("--ckpt-keep", type=int, default=2, help="committed checkpoints to keep")
+    p.add_argument(
+        "--ckpt-on-busy",
+        choices=["skip", "wait"],
+        default="skip",
+        help="a save due while the previous one persists: skip it, or wait for the previous",
+    )
     return p
 
 
@@ -76,6 +110,8 @@ def _check_args(args: argparse.Namespace, world_size: int) -> int:
         raise ValueError(f"--steps must be >= 0, got {args.steps}")
     if args.seq_len < 2:
         raise ValueError(f"--seq-len must be >= 2, got {args.seq_len}")
+    if args.ckpt_every < 0:
+        raise ValueError(f"--ckpt-every must be >= 0 (0: no checkpoints), got {args.ckpt_every}")
     global_batch = args.global_batch or args.batch_size * world_size
     if global_batch <= 0 or global_batch % world_size:
         raise ValueError(
@@ -102,26 +138,118 @@ def final_state_hash(model: torch.nn.Module, optim: torch.optim.Optimizer) -> st
     return state_sha256(state)
 
 
+class _RngState:
+    """This process's RNG streams as a Stateful (saved per rank)."""
+
+    def state_dict(self) -> dict[str, Any]:
+        return capture_rng_state()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        restore_rng_state(state)
+
+
+class _Progress:
+    """The loss curve so far, so that a resumed run reports the whole curve."""
+
+    def __init__(self) -> None:
+        self.losses: list[float] = []
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"losses": list(self.losses)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.losses = [float(x) for x in state["losses"]]
+
+
+def _checkpointer(args: argparse.Namespace, run_dir: Path, ledger: Ledger) -> Checkpointer | None:
+    if args.ckpt_every == 0:
+        return None
+    return Checkpointer(
+        Path(args.ckpt_dir) if args.ckpt_dir else run_dir / "ckpt",
+        ledger=ledger,
+        every_steps=args.ckpt_every,
+        keep=args.ckpt_keep,
+        mode=args.ckpt_mode,
+        on_busy=args.ckpt_on_busy,
+        overlap=True,
+    )
+
+
 def run_id_for(env: WorkerEnv, run_dir: Path) -> str:
     return env.run_id if env.run_id and env.run_id != "none" else run_dir.name
+
+
+class _NoRestartContext:
+    """The part of RestartContext that ``train_once`` uses, for --no-inprocess."""
+
+    def __init__(self, env: WorkerEnv, ledger: Ledger) -> None:
+        self.rank, self.world_size, self._ledger = env.rank, env.world_size, ledger
+        self._hooks: list[Any] = []
+
+    def add_step_hook(self, hook: Any) -> None:
+        self._hooks.append(hook)
+
+    def step_done(self, step: int, **data: Any) -> None:
+        self._ledger.step(step, **data)
+        for hook in self._hooks:
+            hook(step)
+
+    def no_hang_protection(self) -> contextlib.nullcontext[None]:
+        return contextlib.nullcontext()
 
 
 def train(args: argparse.Namespace, env: WorkerEnv, ledger: Ledger, run_dir: Path) -> str:
     """The training job; returns the final state hash."""
     global_batch = _check_args(args, env.world_size)
-    plan = load_plan(args.faults) if args.faults else FaultPlan()
+    plan = load_plan(args.faults, world_size=env.world_size) if args.faults else FaultPlan()
     plan.check_world(env.world_size)
     injector = FaultInjector(plan, run_dir=run_dir, rank=env.rank, sink=ledger)
     device = _device(args.device, env)
-    run = ledger.run
 
+    def once(ctx: Any) -> str:
+        ctx.add_step_hook(heartbeat)
+        ctx.add_step_hook(injector.on_step)
+        return train_once(ctx, args, ledger, run_dir, device=device, global_batch=global_batch)
+
+    if not args.no_inprocess:
+        config = restart.RestartConfig(
+            pg_backend=default_backend(device),
+            pg_timeout_s=args.pg_timeout_s,
+            soft_timeout_s=args.soft_timeout_s,
+            hard_timeout_s=args.hard_timeout_s,
+            barrier_timeout_s=args.hard_timeout_s + 60.0,
+        )
+        return restart.run(once, config=config, ledger=ledger, env=env)
     with ledger.phase("pg_init"):
         init_process_group(
             env,
-            run=run,
+            run=ledger.run,
             backend=default_backend(device),
             timeout=timedelta(seconds=args.pg_timeout_s),
         )
+    try:
+        return once(_NoRestartContext(env, ledger))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def train_once(
+    ctx: Any,
+    args: argparse.Namespace,
+    ledger: Ledger,
+    run_dir: Path,
+    *,
+    device: torch.device,
+    global_batch: int,
+) -> str:
+    """The training loop in the process group that exists, from the newest checkpoint (or step
+    0); returns the final state hash. ``ctx`` is a RestartContext: ``run`` calls this again
+    after an in-process restart, possibly with fewer ranks."""
+    rank, world_size = ctx.rank, ctx.world_size
+    if global_batch % world_size:
+        raise ValueError(f"global batch {global_batch} does not divide the world size {world_size}")
+    ckpt: Checkpointer | None = None
     try:
         with ledger.phase("model_build"):
             cfg = wmodel.get_config(args.model)
@@ -136,12 +264,25 @@ def train(args: argparse.Namespace, env: WorkerEnv, ledger: Ledger, run_dir: Pat
             sampler = wdata.ResumableSampler(
                 args.num_samples,
                 global_batch=global_batch,
-                rank=env.rank,
-                world_size=env.world_size,
+                rank=rank,
+                world_size=world_size,
                 seed=args.seed,
             )
-        losses: list[float] = []
-        for step in range(args.steps):
+        progress = _Progress()
+        state = {
+            "model": model,
+            "optim": optim,
+            "data": sampler,
+            "rng": PerRank(_RngState()),
+            "progress": progress,
+        }
+        ckpt = _checkpointer(args, run_dir, ledger)
+        start = 0
+        if ckpt is not None:
+            restored = ckpt.restore(state)
+            start = 0 if restored is None else restored + 1
+            ledger.mark()
+        for step in range(start, args.steps):
             inputs, targets = dataset.get_batch(sampler.next_indices())
             inputs, targets = inputs.to(device), targets.to(device)
             loss = wmodel.loss_fn(model(inputs), targets)
@@ -150,36 +291,41 @@ def train(args: argparse.Namespace, env: WorkerEnv, ledger: Ledger, run_dir: Pat
             optim.zero_grad(set_to_none=True)
             global_loss = loss.detach().clone()
             dist.all_reduce(global_loss)
-            loss_value = float(global_loss) / env.world_size
-            losses.append(loss_value)
-            ledger.step(step, loss=loss_value)
-            if env.rank == 0 and (step % args.log_every == 0 or step == args.steps - 1):
+            loss_value = float(global_loss) / world_size
+            progress.losses.append(loss_value)
+            if rank == 0 and (step % args.log_every == 0 or step == args.steps - 1):
                 logger.info("step %d loss %.4f", step, loss_value)
-            injector.on_step(step)
+            ctx.step_done(step, loss=loss_value)  # ledger step, heartbeat, fault injector
+            if ckpt is not None:
+                with ctx.no_hang_protection():  # a sync save, or one waiting for the last
+                    ckpt.maybe_save(step, state)
         with ledger.phase("shutdown"):
+            if ckpt is not None:
+                with ctx.no_hang_protection():
+                    ckpt.close()  # the last save is durable
             digest = final_state_hash(model, optim)
-            hashes: list[Any] = [None] * env.world_size
+            hashes: list[Any] = [None] * world_size
             dist.all_gather_object(hashes, digest)
             if len(set(hashes)) != 1:
                 raise RuntimeError(f"ranks disagree on the final state: {hashes}")
-            if env.rank == 0:
+            if rank == 0:
                 out = {
                     "final_state_sha256": digest,
                     "steps": args.steps,
-                    "world_size": env.world_size,
+                    "world_size": world_size,
                     "global_batch": global_batch,
                     "model": args.model,
                     "parallel": args.parallel,
                     "seed": args.seed,
-                    "losses": losses,
+                    "losses": progress.losses,
                 }
                 tmp = run_dir / "final.json.tmp"
                 tmp.write_text(json.dumps(out, indent=1))
                 os.replace(tmp, run_dir / "final.json")
         return digest
     finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        if ckpt is not None:
+            ckpt.abort()  # after an error: stop the writer; a no-op once closed
 
 
 @record
@@ -209,6 +355,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         ledger.emit(ev.RESTART_END, layer="launcher")
     try:
         digest = train(args, env, ledger, run_dir)
+    except (restart.Escalated, restart.RankExcluded) as e:
+        # In-process restart gave up (the launcher takes over) or dropped this rank.
+        logger.error("%s", e)
+        ledger.close()
+        return e.exit_code
     except BaseException as e:
         if not isinstance(e, (KeyboardInterrupt, SystemExit)):
             ledger.emit(

@@ -1,0 +1,130 @@
+"""Staging memory shared with the writer process: allocated once, reused, grown on demand.
+
+The arena is a memfd (anonymous shared memory, the same tmpfs pages as a /dev/shm file, but
+with no name to leak when a process is SIGKILLed), mapped here and, through its fd passed over
+the writer's socket, in the writer. Pages are touched once at allocation so that a save copies
+into already-faulted memory (6-19 GB/s here, against ~1 GB/s while faulting). On CUDA the
+mapping is page-locked with cudaHostRegister so device-to-host copies run asynchronously.
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+from dataclasses import dataclass
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+ALIGN = 64
+_GROW_QUANTUM = 2 << 20
+
+
+def _align(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+@dataclass(frozen=True)
+class Slot:
+    """Where one tensor item lives in the arena."""
+
+    offset: int
+    nbytes: int
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+
+def plan_slots(specs: list[tuple[torch.dtype, tuple[int, ...], int]]) -> tuple[list[Slot], int]:
+    """Lay out ``(dtype, shape, nbytes)`` specs back to back, 64-byte aligned; returns the
+    slots and the total size."""
+    slots = []
+    offset = 0
+    for dtype, shape, nbytes in specs:
+        slots.append(Slot(offset, nbytes, dtype, shape))
+        offset = _align(offset + nbytes)
+    return slots, offset
+
+
+class Arena:
+    """A growable shared-memory buffer. Not thread-safe: one owner."""
+
+    def __init__(self, *, name: str = "unbroken-ckpt") -> None:
+        self._name = name
+        self.fd = -1
+        self.size = 0
+        self.generation = 0
+        self._mm: mmap.mmap | None = None
+        self._bytes: torch.Tensor | None = None
+        self._pinned = False
+
+    def ensure(self, nbytes: int, *, pin: bool = False) -> bool:
+        """Make the arena at least ``nbytes``; returns True when it was (re)allocated, in
+        which case the writer must be handed the new fd."""
+        if nbytes <= self.size and (self._pinned or not pin):
+            return False
+        size = max(self.size, (nbytes + _GROW_QUANTUM - 1) // _GROW_QUANTUM * _GROW_QUANTUM)
+        self.close()
+        fd = os.memfd_create(self._name, os.MFD_CLOEXEC)
+        try:
+            os.ftruncate(fd, size)
+            mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        except BaseException:
+            os.close(fd)
+            raise
+        self.fd, self.size, self._mm = fd, size, mm
+        self._bytes = torch.frombuffer(mm, dtype=torch.uint8)
+        self._bytes.fill_(0)  # fault every page in now, not during a save
+        if pin:
+            self._pin()
+        self.generation += 1
+        logger.info("staging arena: %.1f MiB (generation %d)", size / 2**20, self.generation)
+        return True
+
+    def view(self, slot: Slot) -> torch.Tensor:
+        """The arena's bytes for ``slot`` as a tensor of the slot's dtype and shape."""
+        assert self._bytes is not None
+        raw = self._bytes[slot.offset : slot.offset + slot.nbytes]
+        return raw.view(slot.dtype).view(slot.shape)
+
+    def _pin(self) -> None:
+        assert self._bytes is not None
+        if not torch.cuda.is_available():
+            return
+        err = torch.cuda.cudart().cudaHostRegister(self._bytes.data_ptr(), self.size, 0)
+        if int(err) != 0:
+            logger.warning("cudaHostRegister of the staging arena failed (%s); copies block", err)
+            return
+        self._pinned = True
+
+    def close(self) -> None:
+        if self._bytes is not None and self._pinned:
+            torch.cuda.cudart().cudaHostUnregister(self._bytes.data_ptr())
+        self._pinned = False
+        self._bytes = None
+        if self._mm is not None:
+            try:
+                self._mm.close()
+            except BufferError:  # a view is still alive somewhere; the GC will unmap it
+                logger.debug("staging arena still referenced at close")
+            self._mm = None
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+        self.size = 0
+
+
+@torch.no_grad()
+def copy_into(arena: Arena, pairs: list[tuple[torch.Tensor, Slot]]) -> None:
+    """Copy each source tensor into its slot; waits for device copies to finish."""
+    cuda = False
+    for src, slot in pairs:
+        dst = arena.view(slot)
+        if src.is_cuda:
+            cuda = True
+            dst.copy_(src, non_blocking=True)
+        else:
+            dst.copy_(src)
+    if cuda:
+        torch.cuda.current_stream().synchronize()

@@ -1,0 +1,273 @@
+"""The on-disk layout of a checkpoint directory, its durability helpers, checks and retention.
+
+``<root>/step-N/`` is a torch.distributed.checkpoint (DCP) directory: one ``__<rank>_0.distcp``
+per rank and the global ``.metadata``, so ``torch.distributed.checkpoint.load`` reads it as is.
+Beside them: ``MANIFEST.json`` (size and CRC-32 of every file) and ``COMMITTED`` (the CRC-32 of
+the manifest). A checkpoint exists only once ``COMMITTED`` does.
+
+Life of a save: every rank's writer fills ``step-N.partial/`` and drops a done record
+``.rank-R.done``; the coordinator (rank 0's writer) merges them into ``.metadata``, writes the
+manifest, fsyncs, renames the directory to ``step-N/``, writes ``COMMITTED`` and fsyncs the
+root. A crash at any point leaves either no ``step-N/`` or one without ``COMMITTED``; both are
+invisible to ``committed_steps`` and removed by ``retain`` after a later commit.
+
+Checksum: zlib.crc32, the fastest whole-file check in the standard library on this machine
+(4.2 GB/s on 256 MiB, against adler32 2.9, sha1 1.6, sha256 1.5, blake2b 0.8, md5 0.6 GB/s);
+it guards against torn and flipped bytes, not against an adversary.
+
+Nothing here imports torch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import re
+import shutil
+import time
+import uuid
+import zlib
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+FORMAT = "unbroken-ckpt/1"
+COMMITTED = "COMMITTED"
+MANIFEST = "MANIFEST.json"
+DCP_METADATA = ".metadata"
+ABANDONED = ".abandoned"
+PARTIAL_SUFFIX = ".partial"
+_STEP_RE = re.compile(r"^step-(\d+)$")
+_PARTIAL_RE = re.compile(r"^step-(\d+)\.partial$")
+_ASIDE_RE = re.compile(r"^step-(\d+)\.old-[0-9a-f]+$")
+_REJECTED_RE = re.compile(r"^step-(\d+)\.rejected-[0-9a-f]+$")
+_CHUNK = 8 << 20
+
+
+def step_dir(root: Path, step: int) -> Path:
+    return root / f"step-{step}"
+
+
+def partial_dir(root: Path, step: int) -> Path:
+    return root / f"step-{step}{PARTIAL_SUFFIX}"
+
+
+def data_file(rank: int) -> str:
+    """DCP's file name for a rank's single data file."""
+    return f"__{rank}_0.distcp"
+
+
+def done_record(rank: int) -> str:
+    return f".rank-{rank}.done"
+
+
+def skip_marker(rank: int) -> str:
+    return f".rank-{rank}.skipped"
+
+
+def fail_marker(rank: int) -> str:
+    return f".rank-{rank}.failed"
+
+
+# --- durability ------------------------------------------------------------------------------
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_durable(path: Path, payload: bytes) -> int:
+    """Write ``payload`` to ``path`` atomically (tmp, fsync, rename, fsync dir); returns CRC-32."""
+    tmp = path.with_name(f"{path.name}.tmp-{uuid.uuid4().hex[:8]}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        view = memoryview(payload)
+        while view:
+            view = view[os.write(fd, view) :]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+    return zlib.crc32(payload)
+
+
+def write_marker(path: Path, info: dict[str, Any]) -> None:
+    """A small signal file between processes (not fsynced: it only has to be seen)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f"{path.name}.tmp-{uuid.uuid4().hex[:8]}")
+    tmp.write_text(json.dumps(info))
+    os.replace(tmp, path)
+
+
+def file_crc32(path: Path) -> tuple[int, int]:
+    """(size in bytes, CRC-32) of a file, read in 8 MiB chunks."""
+    crc = 0
+    size = 0
+    buf = bytearray(_CHUNK)
+    view = memoryview(buf)
+    with open(path, "rb", buffering=0) as f:
+        while True:
+            n = f.readinto(buf)
+            if not n:
+                break
+            crc = zlib.crc32(view[:n], crc)
+            size += n
+    return size, crc
+
+
+# --- manifest and commit marker --------------------------------------------------------------
+def manifest_bytes(*, step: int, world_size: int, files: dict[str, dict[str, Any]]) -> bytes:
+    """The manifest: every file of the checkpoint with its size and CRC-32 (hex)."""
+    doc = {
+        "format": FORMAT,
+        "step": step,
+        "world_size": world_size,
+        "created": time.time(),
+        "files": dict(sorted(files.items())),
+    }
+    return json.dumps(doc, indent=1).encode()
+
+
+def committed_bytes(*, step: int, manifest_crc32: int) -> bytes:
+    doc = {"format": FORMAT, "step": step, "manifest_crc32": f"{manifest_crc32:08x}"}
+    return json.dumps(doc).encode()
+
+
+def file_entry(size: int, crc: int) -> dict[str, Any]:
+    return {"bytes": size, "crc32": f"{crc:08x}"}
+
+
+# --- listing ---------------------------------------------------------------------------------
+def committed_steps(root: Path) -> list[int]:
+    """Steps with a ``COMMITTED`` marker, newest first (their contents are not checked)."""
+    if not root.is_dir():
+        return []
+    steps = []
+    for entry in os.scandir(root):
+        m = _STEP_RE.match(entry.name)
+        if m and os.path.exists(os.path.join(entry.path, COMMITTED)):
+            steps.append(int(m.group(1)))
+    return sorted(steps, reverse=True)
+
+
+def manifest_files(ckpt: Path) -> list[str]:
+    """The file names a committed checkpoint's manifest lists, sorted."""
+    return sorted(json.loads((ckpt / MANIFEST).read_text())["files"])
+
+
+def verify(ckpt: Path, *, files: Iterable[str] | None = None, checksums: bool = True) -> str | None:
+    """Check a committed checkpoint; returns None if sound, else why not.
+
+    Always checks the marker against the manifest and every listed file's presence and size;
+    with ``checksums``, also the CRC-32 of ``files`` (default: all listed files).
+    """
+    try:
+        marker = json.loads((ckpt / COMMITTED).read_text())
+        raw = (ckpt / MANIFEST).read_bytes()
+    except (OSError, ValueError) as e:
+        return f"unreadable commit marker or manifest: {e}"
+    if marker.get("manifest_crc32") != f"{zlib.crc32(raw):08x}":
+        return f"manifest checksum mismatch (marker says {marker.get('manifest_crc32')})"
+    try:
+        listed: dict[str, dict[str, Any]] = json.loads(raw)["files"]
+    except (ValueError, KeyError) as e:
+        return f"malformed manifest: {e}"
+    for name, entry in sorted(listed.items()):
+        try:
+            size = os.stat(ckpt / name).st_size
+        except OSError as e:
+            return f"{name}: missing ({e.strerror})"
+        if size != entry["bytes"]:
+            return f"{name}: size {size} != {entry['bytes']} in the manifest"
+    if not checksums:
+        return None
+    for name in sorted(listed if files is None else files):
+        if name not in listed:
+            return f"{name}: not in the manifest"
+        size, crc = file_crc32(ckpt / name)
+        if f"{crc:08x}" != listed[name]["crc32"] or size != listed[name]["bytes"]:
+            return f"{name}: checksum mismatch (crc32 {crc:08x}, manifest {listed[name]['crc32']})"
+    return None
+
+
+# --- removal and retention -------------------------------------------------------------------
+def remove_checkpoint(path: Path) -> None:
+    """Delete a checkpoint so that no crash leaves it half-deleted yet committed: the marker
+    goes first (and is made durable), then the rest."""
+    marker = path / COMMITTED
+    if marker.exists():
+        marker.unlink()
+        fsync_dir(path)
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def retain(root: Path, *, keep: int, newest: int) -> list[str]:
+    """After committing step ``newest``: keep the ``keep`` highest committed steps and
+    ``newest`` itself (the one checkpoint just written and known sound), and remove partial,
+    uncommitted or rejected directories of older steps. Returns the names removed."""
+    assert keep >= 1, keep
+    removed = []
+    committed = committed_steps(root)
+    assert newest in committed, (committed[:3], newest)
+    for step in committed[keep:]:
+        if step != newest:
+            remove_checkpoint(step_dir(root, step))
+            removed.append(f"step-{step}")
+    for entry in os.scandir(root):
+        if _ASIDE_RE.match(entry.name):  # a replaced checkpoint whose removal was cut short
+            shutil.rmtree(entry.path, ignore_errors=True)
+            removed.append(entry.name)
+            continue
+        m = _PARTIAL_RE.match(entry.name) or _STEP_RE.match(entry.name)
+        m = m or _REJECTED_RE.match(entry.name)
+        if not m or int(m.group(1)) >= newest:
+            continue
+        if _STEP_RE.match(entry.name) is None or not os.path.exists(
+            os.path.join(entry.path, COMMITTED)
+        ):
+            shutil.rmtree(entry.path, ignore_errors=True)
+            removed.append(entry.name)
+    return removed
+
+
+def sweep_incomplete(root: Path) -> list[str]:
+    """Remove every partial, uncommitted or replaced directory, whatever its step: leftovers
+    of saves a crash interrupted, whose markers would otherwise confuse a new save of the same
+    step. Only when no writer of this job is saving (``restore`` at start)."""
+    removed: list[str] = []
+    if not root.is_dir():
+        return removed
+    for entry in os.scandir(root):
+        m = _PARTIAL_RE.match(entry.name) or _ASIDE_RE.match(entry.name)
+        uncommitted = _STEP_RE.match(entry.name) and not os.path.exists(
+            os.path.join(entry.path, COMMITTED)
+        )
+        if m or uncommitted:
+            shutil.rmtree(entry.path, ignore_errors=True)
+            removed.append(entry.name)
+    return sorted(removed)
+
+
+def quarantine(path: Path) -> Path:
+    """Rename a checkpoint that failed its checks out of sight (``step-N.rejected-<id>``),
+    kept for inspection until a later commit's retention passes its step."""
+    target = path.with_name(f"{path.name}.rejected-{uuid.uuid4().hex[:8]}")
+    os.rename(path, target)
+    fsync_dir(path.parent)
+    return target
+
+
+def move_aside(path: Path) -> None:
+    """Remove an existing directory that a new commit replaces (an uncommitted leftover, or a
+    checkpoint of the same step that failed its checks)."""
+    with contextlib.suppress(FileNotFoundError):
+        aside = path.with_name(f"{path.name}.old-{uuid.uuid4().hex[:8]}")
+        os.rename(path, aside)
+        remove_checkpoint(aside)

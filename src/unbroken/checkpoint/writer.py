@@ -1,0 +1,337 @@
+"""The persistent checkpoint writer: one process per rank, started once by its trainer.
+
+Run as ``python -m unbroken.checkpoint.writer`` (a plain subprocess, not multiprocessing, so
+the trainer needs no ``__main__`` guard). It talks to its trainer over one Unix socket (see
+``protocol``) and reads staged tensors from the shared arena the trainer hands it.
+
+For each save it writes this rank's DCP data file into ``step-N.partial/`` (one
+``torch.save`` record per tensor, exactly as ``FileSystemWriter`` lays them out, with a CRC-32
+computed on the way), fsyncs it, and drops its done record. Rank 0's writer is the coordinator:
+it then waits for every rank's record and publishes the checkpoint (``commit.publish``).
+
+It never outlives its trainer: PR_SET_PDEATHSIG kills it with its parent, a watchdog thread
+exits when the parent pid changes, and the main loop exits at the socket's end of stream.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import ctypes
+import io
+import logging
+import mmap
+import os
+import pickle
+import signal
+import socket
+import sys
+import threading
+import time
+import zlib
+from pathlib import Path
+from typing import Any
+
+from unbroken.checkpoint import layout, protocol  # neither imports torch
+
+logger = logging.getLogger("unbroken.checkpoint.writer")
+
+# Test hook, "<point>@<step>": at that point of that step's save, write
+# "<root>/.paused-<point>" (holding this pid) and sleep until killed. Points: data (half the
+# data file written), done (rank 0: every done record in), manifest (before the rename),
+# renamed (before COMMITTED).
+PAUSE_ENV = "UNBROKEN_CKPT_TEST_PAUSE"
+_PR_SET_PDEATHSIG = 1
+_WRITE_SLICE = 4 << 20
+_ABORT_CHECK_BYTES = 64 << 20
+
+
+def _die_with_parent(parent_pid: int, *, pdeathsig: bool) -> None:
+    if pdeathsig:
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        except (OSError, AttributeError):
+            logger.debug("prctl(PR_SET_PDEATHSIG) unavailable; relying on the watchdog")
+    if os.getppid() != parent_pid:  # the parent died before prctl took effect
+        os._exit(1)
+
+    def watchdog() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(0.2)
+        os._exit(1)
+
+    threading.Thread(target=watchdog, name="writer-watchdog", daemon=True).start()
+
+
+class _Abort(Exception):
+    """Another rank skipped or failed this step: stop writing it."""
+
+
+class ChecksumWriter(io.RawIOBase):
+    """A write-only stream over a file descriptor that computes CRC-32 and can cap the rate."""
+
+    def __init__(self, fd: int, *, bytes_per_s: float, check: Any = None) -> None:
+        super().__init__()
+        self.fd = fd
+        self.crc = 0
+        self.pos = 0
+        self._rate = bytes_per_s
+        self._t0 = time.monotonic()
+        self._check = check
+        self._since_check = 0
+
+    def writable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self.pos
+
+    def write(self, b: Any) -> int:
+        view = memoryview(b).cast("B")
+        n = len(view)
+        for start in range(0, n, _WRITE_SLICE):
+            chunk = view[start : start + _WRITE_SLICE]
+            while chunk:
+                chunk = chunk[os.write(self.fd, chunk) :]
+            self.crc = zlib.crc32(view[start : start + _WRITE_SLICE], self.crc)
+            self.pos += min(_WRITE_SLICE, n - start)
+            self._since_check += min(_WRITE_SLICE, n - start)
+            if self._rate > 0:
+                ahead = self._t0 + self.pos / self._rate - time.monotonic()
+                if ahead > 0:
+                    time.sleep(ahead)
+            if self._check is not None and self._since_check >= _ABORT_CHECK_BYTES:
+                self._since_check = 0
+                self._check()
+        return n
+
+
+class Writer:
+    """Serves one trainer's messages until it closes the socket or says "close"."""
+
+    def __init__(self, args: argparse.Namespace, sock: socket.socket) -> None:
+        import torch
+
+        # Everything a save needs, imported before "ready": the persist timeout starts then.
+        import unbroken.checkpoint.arena
+        import unbroken.checkpoint.commit  # noqa: F401  (imports DCP's planner and metadata)
+
+        torch.serialization.set_crc32_options(False)  # we checksum whole files ourselves
+        self.torch = torch
+        self.args = args
+        self.sock = sock
+        self.root = Path(args.root)
+        self.rank = args.rank
+        self.world_size = args.world_size
+        self.mm: mmap.mmap | None = None
+        self.layouts: dict[int, list[tuple[Any, Any]]] = {}
+        self.pause_at = os.environ.get(PAUSE_ENV, "")
+        self.step = -1
+
+    # --- messages ----------------------------------------------------------------------------
+    def reply(self, msg: dict[str, Any]) -> None:
+        protocol.send(self.sock, msg)
+
+    def serve(self) -> None:
+        self.reply({"type": "ready", "pid": os.getpid()})
+        while True:
+            try:
+                msg, fds = protocol.recv(self.sock)
+            except (protocol.PeerGone, ConnectionError):
+                return
+            kind = msg["type"]
+            if kind == "arena":
+                self._map(fds[0], msg["size"])
+            elif kind == "layout":
+                self.layouts = {msg["layout_id"]: msg["entries"]}
+            elif kind == "save":
+                self._save(msg)
+            elif kind == "close":
+                return
+            else:  # pragma: no cover - protocol bug
+                raise AssertionError(kind)
+
+    def _map(self, fd: int, size: int) -> None:
+        if self.mm is not None:
+            self.mm.close()
+        self.mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        os.close(fd)
+
+    def pause(self, point: str) -> None:
+        if self.pause_at != f"{point}@{self.step}":
+            return
+        (self.root / f".paused-{point}").write_text(str(os.getpid()))
+        while True:
+            time.sleep(1.0)
+
+    # --- one save ----------------------------------------------------------------------------
+    def _save(self, msg: dict[str, Any]) -> None:
+        from unbroken.checkpoint import commit
+
+        step = self.step = msg["step"]
+        part = layout.partial_dir(self.root, step)
+        begin = time.time()
+        try:
+            record = self._persist(msg, part)
+        except _Abort as e:
+            self.reply({"type": "abandoned", "step": step, "reason": str(e)})
+            return
+        except Exception as e:
+            logger.exception("writer of rank %d failed to persist step %d", self.rank, step)
+            with contextlib.suppress(OSError):
+                layout.write_marker(part / layout.fail_marker(self.rank), {"error": repr(e)})
+            self.reply({"type": "failed", "step": step, "error": f"{type(e).__name__}: {e}"})
+            return
+        end = time.time()
+        self.reply(
+            {
+                "type": "persisted",
+                "step": step,
+                "begin": begin,
+                "end": end,
+                "bytes": record["bytes"],
+                "write_s": record["write_s"],
+                "fsync_s": record["fsync_s"],
+                "rss_bytes": _rss_bytes(),
+            }
+        )
+        if self.rank != 0:
+            return
+        try:
+            deadline = begin + self.args.commit_timeout_s
+            records = commit.wait_for_ranks(
+                part, world_size=self.world_size, deadline=deadline, pause=self.pause
+            )
+            removed = commit.publish(
+                self.root, step=step, records=records, keep=self.args.keep, pause=self.pause
+            )
+        except commit.Abandoned as e:
+            layout.write_marker(part / layout.ABANDONED, {"reason": str(e)})
+            self.reply({"type": "abandoned", "step": step, "reason": str(e)})
+            return
+        except Exception as e:
+            logger.exception("coordinator failed to commit step %d", step)
+            with contextlib.suppress(OSError):
+                layout.write_marker(part / layout.ABANDONED, {"reason": repr(e)})
+            self.reply({"type": "failed", "step": step, "error": f"{type(e).__name__}: {e}"})
+            return
+        self.reply(
+            {
+                "type": "committed",
+                "step": step,
+                "begin": end,
+                "end": time.time(),
+                "path": str(layout.step_dir(self.root, step)),
+                "removed": removed,
+            }
+        )
+
+    def _persist(self, msg: dict[str, Any], part: Path) -> dict[str, Any]:
+        from torch.distributed.checkpoint.filesystem import _StorageInfo
+        from torch.distributed.checkpoint.storage import WriteResult
+
+        from unbroken.checkpoint import commit
+
+        torch = self.torch
+        part.mkdir(parents=True, exist_ok=True)
+
+        def check() -> None:
+            why = commit.abandon_reason(part)
+            if why:
+                raise _Abort(why)
+
+        for stale in (layout.done_record(self.rank), layout.fail_marker(self.rank)):
+            (part / stale).unlink(missing_ok=True)  # of an earlier, interrupted save
+        check()
+        entries = self.layouts[msg["layout_id"]]
+        name = layout.data_file(self.rank)
+        fd = os.open(part / name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        t0 = time.monotonic()
+        try:
+            stream = ChecksumWriter(fd, bytes_per_s=self.args.throttle_bytes_per_s, check=check)
+            items, results = [], []
+
+            def add(wi: Any, offset: int) -> None:
+                length = stream.tell() - offset
+                items.append(wi)
+                results.append(
+                    WriteResult(
+                        index=wi.index,
+                        size_in_bytes=length,
+                        storage_data=_StorageInfo(name, offset, length),
+                    )
+                )
+
+            for wi, payload in msg["payloads"]:
+                offset = stream.tell()
+                stream.write(payload)
+                add(wi, offset)
+            half = len(entries) // 2
+            for i, (wi, slot) in enumerate(entries):
+                if i == half:
+                    self.pause("data")
+                offset = stream.tell()
+                assert self.mm is not None
+                # A tensor whose storage is exactly this slot, so torch.save writes only it.
+                raw = torch.frombuffer(self.mm, dtype=torch.uint8, count=slot.nbytes, offset=slot.offset) \
+                    if slot.nbytes else torch.empty(0, dtype=torch.uint8)  # fmt: skip
+                torch.save(raw.view(slot.dtype).view(slot.shape), stream)
+                add(wi, offset)
+            t1 = time.monotonic()
+            os.fsync(fd)
+            t2 = time.monotonic()
+        finally:
+            os.close(fd)
+        check()
+        record = {
+            "rank": self.rank,
+            "step": msg["step"],
+            "items": items,
+            "results": results,
+            "assigned": msg["assigned"],
+            "planner_data": msg["planner_data"],
+            "files": {name: layout.file_entry(stream.pos, stream.crc)},
+        }
+        layout.write_durable(part / layout.done_record(self.rank), pickle.dumps(record))
+        return {"bytes": stream.pos, "write_s": t1 - t0, "fsync_s": t2 - t1}
+
+
+def _rss_bytes() -> int:
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m unbroken.checkpoint.writer")
+    p.add_argument("--fd", type=int, required=True, help="the socket to the trainer")
+    p.add_argument("--parent-pid", type=int, required=True)
+    p.add_argument("--pdeathsig", action="store_true")
+    p.add_argument("--root", required=True)
+    p.add_argument("--rank", type=int, required=True)
+    p.add_argument("--world-size", type=int, required=True)
+    p.add_argument("--keep", type=int, required=True)
+    p.add_argument("--commit-timeout-s", type=float, required=True)
+    p.add_argument("--throttle-bytes-per-s", type=float, default=0.0)
+    p.add_argument("--nice", type=int, default=0, help="niceness to add (background work)")
+    args = p.parse_args(argv)
+    _die_with_parent(args.parent_pid, pdeathsig=args.pdeathsig)
+    if args.nice:
+        os.nice(args.nice)
+    logging.basicConfig(
+        level=logging.WARNING, format="%(asctime)s %(levelname)s [%(name)s] %(message)s"
+    )
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the trainer, which closes us
+    sock = socket.socket(fileno=args.fd)
+    try:
+        Writer(args, sock).serve()
+    finally:
+        sock.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

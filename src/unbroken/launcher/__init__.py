@@ -1,0 +1,15 @@
+"""unbroken-run: a torchrun-compatible launcher that restarts killed and hung workers in the job.
+
+Owns the CLI (torchrun's flags plus ``--ft-*``), the agent state machine, the per-round
+rendezvous and worker store, the warm process pool (zygote), the heartbeat monitor and its
+worker-side client, and the launcher's error file. Builds on torch.distributed.elastic's c10d
+rendezvous.
+
+Imports from unbroken: ``env``, ``errors`` and ``ledger`` only. The worker-side client
+(``client``) imports nothing but the standard library and ``unbroken.env``, so a training step
+can call it cheaply; importing this package does not import torch.
+"""
+
+from unbroken.launcher.client import heartbeat
+
+__all__ = ["heartbeat"]

@@ -1,0 +1,191 @@
+"""``unbroken-run``: parse torchrun's flags and ours, assemble the agent, run it, exit.
+
+Start-up order is chosen for speed: the warm pool is spawned first, so that its imports of
+torch run in parallel with the agent's own (the rendezvous needs torch.distributed).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from unbroken import env as uenv
+from unbroken.launcher import args as largs
+from unbroken.launcher import bootstrap, errors
+from unbroken.launcher.agent import Agent
+from unbroken.launcher.errors import Failure
+from unbroken.launcher.monitor import STATE_FILE, HeartbeatServer, HeartbeatTracker, Observed
+from unbroken.launcher.signals import SignalPipe
+from unbroken.launcher.workers import LocalWorkers
+from unbroken.launcher.zygote import Zygote
+from unbroken.ledger import Ledger, process_start_time
+from unbroken.ledger import events as ev
+
+logger = logging.getLogger("unbroken.launcher")
+
+
+def node_addr(spec: largs.JobSpec) -> str:
+    """How peers reach this node: --local-addr, loopback for one node, else the hostname."""
+    if spec.local_addr:
+        return spec.local_addr
+    if spec.max_nodes == 1:
+        return "127.0.0.1"
+    return socket.getfqdn()
+
+
+def job_run_id(spec: largs.JobSpec, run_dir: Path | None) -> str:
+    """The ledger's run id: the rendezvous id, or the run dir's name for a standalone job."""
+    if not spec.standalone and spec.rdzv_id not in ("", "none"):
+        return spec.rdzv_id
+    if run_dir is not None:
+        return run_dir.name
+    return spec.rdzv_id
+
+
+def default_run_dir(run_id: str) -> Path:
+    return (
+        Path("runs") / f"unbroken-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
+        if run_id in ("", "none")
+        else Path("runs") / run_id
+    )
+
+
+def _base_env(spec: largs.JobSpec) -> dict[str, str]:
+    """The environment every worker starts from (torchrun's OMP_NUM_THREADS default)."""
+    if uenv.OMP_NUM_THREADS not in os.environ and spec.nproc_per_node > 1:
+        logger.warning(
+            "setting OMP_NUM_THREADS=1 for each worker (as torchrun does); tune it "
+            "for your application"
+        )
+        os.environ[uenv.OMP_NUM_THREADS] = "1"
+    return dict(os.environ)
+
+
+def _rendezvous_failed(ledger: Ledger, path: Path, run_id: str, e: Exception) -> int:
+    failure = Failure(
+        rank=-1,
+        local_rank=-1,
+        cause="rendezvous",
+        category="infra",
+        detector="rendezvous",
+        ts=time.time(),
+        message=str(e),
+    )
+    rec = errors.write_error_file(
+        path, exit_code=errors.EXIT_RENDEZVOUS_FAILED, failures=[failure], restarts=0, run_id=run_id
+    )
+    ledger.emit(
+        ev.JOB_END,
+        status="failed",
+        exit_code=errors.EXIT_RENDEZVOUS_FAILED,
+        reason=rec["reason"],
+        cause="rendezvous",
+        fault_rank=-1,
+    )
+    logger.error("%s", e)
+    return errors.EXIT_RENDEZVOUS_FAILED
+
+
+def run(spec: largs.JobSpec, cfg: largs.lconfig.LauncherConfig) -> int:
+    run_dir = (
+        cfg.run_dir or default_run_dir("none" if spec.standalone else spec.rdzv_id)
+    ).resolve()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    run_id = job_run_id(spec, run_dir)
+    error_path = cfg.error_path(run_dir)
+    error_path.unlink(missing_ok=True)  # a previous run's
+    base_env = _base_env(spec)
+    subreaper = bootstrap.set_child_subreaper()
+    zygote = None
+    if cfg.warm_pool and spec.entry.kind != "command":
+        if subreaper:
+            zygote = Zygote(cfg.preload, env=base_env)
+        else:
+            logger.warning("cannot become a child subreaper: the warm pool is off")
+    signals = SignalPipe(tuple(getattr(signal, s) for s in spec.stop_signals))
+    heartbeats = HeartbeatServer()
+    ledger = Ledger(run_dir, run=run_id, rank=ev.LAUNCHER_RANK)
+    ledger.emit(
+        ev.PROCESS_START,
+        ts=process_start_time(),
+        pid=os.getpid(),
+        host=socket.gethostname(),
+        role="agent",
+        nproc_per_node=spec.nproc_per_node,
+    )
+    workers = None
+    try:
+        from unbroken.launcher.rendezvous import C10dRendezvous
+
+        try:
+            rdzv = C10dRendezvous(spec, node_addr=node_addr(spec), timeout_s=cfg.rdzv_timeout_s)
+        except errors.LauncherError as e:
+            return _rendezvous_failed(ledger, error_path, run_id, e)
+        state_file = run_dir / "launcher" / STATE_FILE
+        tracker = HeartbeatTracker(
+            enabled=cfg.hang_detection,
+            initial_timeout_s=cfg.initial_timeout_s,
+            steady_timeout_s=cfg.steady_timeout_s,
+            heartbeat_interval_s=cfg.heartbeat_interval_s,
+            auto_timeouts=cfg.auto_timeouts,
+            auto_timeout_factor=cfg.auto_timeout_factor,
+            observed=Observed.load(state_file),
+        )
+        workers = LocalWorkers(
+            spec,
+            cfg,
+            run_dir=run_dir,
+            run_id=run_id,
+            heartbeats=heartbeats,
+            signals=signals,
+            zygote=zygote,
+            base_env=base_env,
+        )
+        agent = Agent(
+            spec=spec,
+            cfg=cfg,
+            rdzv=rdzv,
+            workers=workers,
+            tracker=tracker,
+            ledger=ledger,
+            run_dir=run_dir,
+            run_id=run_id,
+            state_file=state_file,
+        )
+        return agent.run()
+    finally:
+        if workers is not None:
+            if workers.running():  # an exception in the agent itself: leave nothing behind
+                workers.stop(cfg.stop_grace_s)
+            workers.close()
+        if zygote is not None:
+            zygote.close()
+        heartbeats.close()
+        signals.close()
+        ledger.close()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from unbroken.cli import init_logging
+
+    init_logging()
+    try:
+        spec, cfg, ignored = largs.parse(argv)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"unbroken-run: error: {e}", file=sys.stderr)
+        return errors.EXIT_USAGE
+    for name in ignored:
+        logger.warning(
+            "--%s is accepted for torchrun compatibility and ignored", name.replace("_", "-")
+        )
+    return run(spec, cfg)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,122 @@
+"""The worker side of hang detection: ``heartbeat(step)`` tells the node's agent "still going".
+
+One UDP datagram on the loopback to ``UNBROKEN_HEARTBEAT_ADDR``; it never blocks and never
+raises. Outside ``unbroken-run`` (no address in the environment) a call is a no-op costing a
+``getpid`` and a comparison. Call it once per training step, after the step completes (the
+reference script does so right after its ledger step record); pass ``committed_step`` when a
+checkpoint of that step is durable, so the agent's no-progress guard can see it.
+
+A worker that has never called ``heartbeat`` is not watched for hangs until the job has shown it
+heartbeats (see ``monitor``). Calls for the same step closer together than
+``UNBROKEN_HEARTBEAT_INTERVAL_S`` are dropped. Safe after ``fork``: the state is per process.
+
+Imports nothing of ours but ``unbroken.env``, and never torch.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+
+from unbroken import env as uenv
+
+# Datagram fields (kept short: this runs on the training thread every step).
+VERSION = 1
+
+
+class _Client:
+    def __init__(
+        self, addr: tuple[str, int], *, rank: int, local_rank: int, round_: int, interval_s: float
+    ) -> None:
+        self.addr = addr
+        self.rank = rank
+        self.local_rank = local_rank
+        self.round = round_
+        self.interval_s = interval_s
+        self.pid = os.getpid()
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        self.sock.setblocking(False)
+        self.last_sent = float("-inf")
+        self.last_step: int | None = None
+        self.last_committed: int | None = None
+
+    def send(self, step: int | None, committed_step: int | None) -> None:
+        now = time.monotonic()
+        changed = (step is not None and step != self.last_step) or (
+            committed_step is not None and committed_step != self.last_committed
+        )
+        if not changed and now - self.last_sent < self.interval_s:
+            return
+        msg = {
+            "v": VERSION,
+            "rank": self.rank,
+            "lr": self.local_rank,
+            "pid": self.pid,
+            "round": self.round,
+            "step": step,
+            "committed": committed_step,
+            "ts": time.time(),
+        }
+        try:
+            self.sock.sendto(json.dumps(msg, separators=(",", ":")).encode(), self.addr)
+        except OSError:  # agent gone, buffer full, ICMP refusal: the agent will notice by itself
+            return
+        self.last_sent = now
+        if step is not None:
+            self.last_step = step
+        if committed_step is not None:
+            self.last_committed = committed_step
+
+
+_client: _Client | None = None
+_client_pid = -1
+
+
+def _parse_addr(raw: str) -> tuple[str, int]:
+    host, _, port = raw.rpartition(":")
+    return host or "127.0.0.1", int(port)
+
+
+def _get() -> _Client | None:
+    global _client, _client_pid
+    pid = os.getpid()
+    if pid == _client_pid:
+        return _client
+    if _client is not None:
+        _client.sock.close()
+    _client, _client_pid = None, pid
+    raw = os.environ.get(uenv.UNBROKEN_HEARTBEAT_ADDR)
+    if not raw:
+        return None
+    try:
+        _client = _Client(
+            _parse_addr(raw),
+            rank=int(os.environ.get(uenv.RANK, "0")),
+            local_rank=int(os.environ.get(uenv.LOCAL_RANK, "0")),
+            round_=int(os.environ.get(uenv.UNBROKEN_ROUND, "0")),
+            interval_s=float(os.environ.get(uenv.UNBROKEN_HEARTBEAT_INTERVAL_S, "0.5")),
+        )
+    except (ValueError, OSError):
+        _client = None
+    return _client
+
+
+def heartbeat(step: int | None = None, *, committed_step: int | None = None) -> None:
+    """Tell the node agent this worker is alive (and at ``step``); cheap, never raises.
+
+    Call after a training step completes; ``committed_step`` is the newest step whose
+    checkpoint is durable, if any.
+    """
+    client = _get()
+    if client is not None:
+        client.send(step, committed_step)
+
+
+def reset() -> None:
+    """Forget the cached client (tests; the environment changed)."""
+    global _client, _client_pid
+    if _client is not None:
+        _client.sock.close()
+    _client, _client_pid = None, -1

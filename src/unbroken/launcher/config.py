@@ -1,0 +1,184 @@
+"""``LauncherConfig``: unbroken-run's own options, from ``--ft-*`` flags and one YAML file.
+
+Every field maps one-to-one to a flag ``--ft-<field-with-dashes>`` (``--ft-<field>`` with
+underscores is accepted too) and to a YAML key of the same name. Precedence: defaults < YAML
+file (``--ft-config``) < flags. torchrun's own flags (``--nnodes``, ``--max-restarts``, ...) are
+not here: they live in ``args.JobSpec``.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import functools
+import inspect
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+# What the warm pool imports before it forks a worker: torch, its distributed package, the
+# lazily imported torch._dynamo that the first DDP()/fully_shard() otherwise pays (~1 s on CPU),
+# DCP (state dicts and checkpoints of FSDP2 jobs) and elastic's @record.
+DEFAULT_PRELOAD = (
+    "torch",
+    "torch.distributed",
+    "torch._dynamo",
+    "torch.distributed.checkpoint",
+    "torch.distributed.elastic.multiprocessing.errors",
+)
+
+_MODULE_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
+
+
+@dataclass(frozen=True, kw_only=True)
+class LauncherConfig:
+    """unbroken-run's options; ``__post_init__`` checks values and timeout ordering."""
+
+    run_dir: Path | None = None
+    """Run directory: the agent's ledger, error file and state; workers get UNBROKEN_RUN_DIR."""
+    error_file: Path | None = None
+    """Where the root cause is written when the job gives up (default: <run_dir>/error.json)."""
+    warm_pool: bool = True
+    """Fork workers from a process that has already imported ``preload`` (else cold starts)."""
+    preload: tuple[str, ...] = DEFAULT_PRELOAD
+    """Modules the warm pool imports before forking workers (comma-separated on the CLI)."""
+    hang_detection: bool = True
+    """Kill and restart workers whose heartbeats stop (see the initial and steady timeouts)."""
+    heartbeat_interval_s: float = 0.5
+    """Least seconds between two heartbeat datagrams of a worker whose step did not change."""
+    initial_timeout_s: float = 300.0
+    """Seconds a worker may take from its start to its first heartbeat."""
+    steady_timeout_s: float = 120.0
+    """Seconds a worker may go between two heartbeats once it has sent one."""
+    auto_timeouts: bool = False
+    """Shrink both timeouts to the observed maxima times ``auto_timeout_factor`` (persisted)."""
+    auto_timeout_factor: float = 5.0
+    """Safety factor applied to observed heartbeat gaps when ``auto_timeouts`` is on."""
+    rdzv_timeout_s: float = 600.0
+    """Seconds a rendezvous round may take (the c10d join timeout, unless --rdzv-conf sets it)."""
+    stop_grace_s: float = 5.0
+    """Seconds between SIGTERM and SIGKILL when stopping workers."""
+    max_no_progress_restarts: int = 3
+    """Give up after this many restarts in a row without a new step (0: never)."""
+
+    def __post_init__(self) -> None:
+        for name in ("heartbeat_interval_s", "initial_timeout_s", "steady_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        for name in ("initial_timeout_s", "steady_timeout_s"):
+            if not self.heartbeat_interval_s < getattr(self, name):
+                raise ValueError(
+                    f"heartbeat_interval_s ({self.heartbeat_interval_s}) must be smaller than "
+                    f"{name} ({getattr(self, name)}): a healthy worker would look hung"
+                )
+            if not getattr(self, name) < self.rdzv_timeout_s:
+                raise ValueError(
+                    f"{name} ({getattr(self, name)}) must be smaller than rdzv_timeout_s "
+                    f"({self.rdzv_timeout_s}): a hang must be caught before a rendezvous "
+                    "gives up on the node"
+                )
+        if not self.auto_timeout_factor > 1:
+            raise ValueError(f"auto_timeout_factor must be > 1, got {self.auto_timeout_factor}")
+        if self.stop_grace_s < 0:
+            raise ValueError(f"stop_grace_s must be >= 0, got {self.stop_grace_s}")
+        if self.max_no_progress_restarts < 0:
+            raise ValueError(
+                f"max_no_progress_restarts must be >= 0 (0: off), got "
+                f"{self.max_no_progress_restarts}"
+            )
+        for mod in self.preload:
+            if not _MODULE_NAME.match(mod):
+                raise ValueError(f"preload entry {mod!r} is not a module name like 'torch.nn'")
+
+    def error_path(self, run_dir: Path) -> Path:
+        return self.error_file if self.error_file is not None else run_dir / "error.json"
+
+
+FIELDS: dict[str, dataclasses.Field[Any]] = {f.name: f for f in fields(LauncherConfig)}
+
+
+@functools.cache
+def field_docs() -> dict[str, str]:
+    """Each field's one-line docstring (used as the flag's help text)."""
+    tree = ast.parse(inspect.getsource(LauncherConfig))
+    body = tree.body[0].body  # type: ignore[attr-defined]
+    docs: dict[str, str] = {}
+    for node, nxt in zip(body, body[1:], strict=False):
+        if (
+            isinstance(node, ast.AnnAssign)
+            and isinstance(node.target, ast.Name)
+            and isinstance(nxt, ast.Expr)
+            and isinstance(nxt.value, ast.Constant)
+        ):
+            docs[node.target.id] = str(nxt.value.value).strip()
+    return docs
+
+
+def kind_of(name: str) -> str:
+    """The value kind of a field: bool, int, float, path, modules."""
+    if name in ("run_dir", "error_file"):
+        return "path"
+    if name == "preload":
+        return "modules"
+    default = FIELDS[name].default
+    if isinstance(default, bool):
+        return "bool"
+    return "int" if isinstance(default, int) else "float"
+
+
+def coerce(name: str, value: Any, *, source: str) -> Any:
+    """Convert a YAML or CLI value for field ``name``; ValueError names the source."""
+    kind = kind_of(name)
+    if value is None:
+        if kind == "path":
+            return None
+        raise ValueError(f"{source}: {name} needs a value, got null")
+    if kind == "path":
+        return Path(str(value))
+    if kind == "modules":
+        items = value.split(",") if isinstance(value, str) else value
+        if not isinstance(items, (list, tuple)):
+            raise ValueError(f"{source}: {name} must be a list of module names, got {value!r}")
+        return tuple(str(m).strip() for m in items if str(m).strip())
+    if kind == "bool":
+        if isinstance(value, bool):
+            return value
+        raise ValueError(f"{source}: {name} must be true or false, got {value!r}")
+    if isinstance(value, bool):
+        raise ValueError(f"{source}: {name} must be a number, got {value!r}")
+    try:
+        return int(value) if kind == "int" else float(value)
+    except (TypeError, ValueError):
+        raise ValueError(
+            f"{source}: {name} must be a{'n int' if kind == 'int' else ' number'}, got {value!r}"
+        ) from None
+
+
+def load_yaml(path: str | Path) -> dict[str, Any]:
+    """Field values from a YAML file (a mapping of field names); ValueError on bad content."""
+    p = Path(path)
+    if not p.is_file():
+        raise FileNotFoundError(f"launcher config {p} does not exist")
+    try:
+        obj = yaml.safe_load(p.read_text())
+    except yaml.YAMLError as e:
+        raise ValueError(f"{p}: not valid YAML: {e}") from None
+    if obj is None:
+        return {}
+    if not isinstance(obj, Mapping):
+        raise ValueError(f"{p}: expected a mapping of launcher options, got {obj!r:.80}")
+    unknown = sorted(set(obj) - set(FIELDS))
+    if unknown:
+        raise ValueError(f"{p}: unknown keys {unknown}; valid keys: {sorted(FIELDS)}")
+    return {k: coerce(k, v, source=str(p)) for k, v in obj.items()}
+
+
+def build(*, yaml_path: str | Path | None = None, **overrides: Any) -> LauncherConfig:
+    """Defaults, then the YAML file, then ``overrides`` (flags given; None means not given)."""
+    values = load_yaml(yaml_path) if yaml_path is not None else {}
+    values.update({k: v for k, v in overrides.items() if v is not None})
+    return LauncherConfig(**values)

@@ -1,0 +1,274 @@
+"""The agent side of hang detection: a UDP heartbeat socket and the per-rank deadlines.
+
+``HeartbeatServer`` owns the socket (127.0.0.1, a free port) for the whole job; the agent's
+event loop selects on it. ``HeartbeatTracker`` is pure bookkeeping over a monotonic clock, so
+tests drive it with scripted heartbeats and times:
+
+- a worker that has sent a heartbeat in this round must send the next within the steady
+  timeout;
+- a worker that has not sent one yet must do so within the initial timeout of its start, but
+  only once the job has shown that it heartbeats (some worker of it sent one, in any round or
+  in an earlier run of the agent on this run directory). An unmodified torchrun script that
+  never calls ``heartbeat()`` is therefore never killed for silence;
+- with automatic timeouts, both timeouts shrink to the largest gap observed so far times a
+  safety factor (never below ``4 * heartbeat_interval_s``, never above the configured value);
+  the observations persist in ``<run_dir>/launcher/heartbeats.json`` across restarts.
+
+Datagrams from an earlier round or another pid are ignored.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+STATE_FILE = "heartbeats.json"
+AUTO_MIN_STEADY_SAMPLES = 10
+
+
+class HeartbeatServer:
+    """The agent's UDP socket; ``drain()`` returns every pending, well-formed datagram."""
+
+    def __init__(self, host: str = "127.0.0.1") -> None:
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        self.sock.bind((host, 0))
+        self.sock.setblocking(False)
+        host, port = self.sock.getsockname()[:2]
+        self.addr = f"{host}:{port}"
+
+    def fileno(self) -> int:
+        return self.sock.fileno()
+
+    def drain(self) -> list[dict[str, Any]]:
+        out: list[dict[str, Any]] = []
+        while True:
+            try:
+                data = self.sock.recv(4096)
+            except (BlockingIOError, InterruptedError):
+                return out
+            except OSError:
+                return out
+            try:
+                msg = json.loads(data)
+            except ValueError:
+                continue
+            if isinstance(msg, dict) and isinstance(msg.get("lr"), int):
+                out.append(msg)
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+@dataclass(frozen=True, kw_only=True)
+class Hang:
+    """A worker past its heartbeat deadline."""
+
+    local_rank: int
+    rank: int
+    pid: int | None
+    silent_s: float
+    """Seconds since its last heartbeat (or its start, before the first)."""
+    timeout_s: float
+    """The timeout it exceeded."""
+    phase: str
+    """"initial" (no heartbeat yet this round) or "steady"."""
+    last_step: int | None
+
+
+@dataclass
+class _Worker:
+    rank: int
+    pid: int | None
+    start: float
+    first: float | None = None
+    last: float | None = None
+    last_step: int | None = None
+
+
+@dataclass
+class Observed:
+    """What the tracker has learned about this job's heartbeats (persisted)."""
+
+    job_heartbeats: bool = False
+    steady_gap_max_s: float = 0.0
+    steady_samples: int = 0
+    initial_max_s: float = 0.0
+    initial_samples: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def load(cls, path: Path) -> Observed:
+        try:
+            raw = json.loads(path.read_text())
+            return cls(
+                job_heartbeats=bool(raw.get("job_heartbeats", False)),
+                steady_gap_max_s=float(raw.get("steady_gap_max_s", 0.0)),
+                steady_samples=int(raw.get("steady_samples", 0)),
+                initial_max_s=float(raw.get("initial_max_s", 0.0)),
+                initial_samples=int(raw.get("initial_samples", 0)),
+            )
+        except (OSError, ValueError, AttributeError):
+            return cls()
+
+    def save(self, path: Path) -> None:
+        """Merge with what is on disk (another agent may share the run dir) and replace it."""
+        disk = Observed.load(path)
+        merged = {
+            "job_heartbeats": self.job_heartbeats or disk.job_heartbeats,
+            "steady_gap_max_s": max(self.steady_gap_max_s, disk.steady_gap_max_s),
+            "steady_samples": max(self.steady_samples, disk.steady_samples),
+            "initial_max_s": max(self.initial_max_s, disk.initial_max_s),
+            "initial_samples": max(self.initial_samples, disk.initial_samples),
+        }
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
+            tmp.write_text(json.dumps(merged, indent=1))
+            os.replace(tmp, path)
+        except OSError:
+            logger.warning("could not persist heartbeat observations to %s", path)
+
+
+class HeartbeatTracker:
+    """Per-round heartbeat deadlines of this node's workers; times are monotonic seconds."""
+
+    def __init__(
+        self,
+        *,
+        enabled: bool,
+        initial_timeout_s: float,
+        steady_timeout_s: float,
+        heartbeat_interval_s: float,
+        auto_timeouts: bool = False,
+        auto_timeout_factor: float = 5.0,
+        observed: Observed | None = None,
+    ) -> None:
+        self.enabled = enabled
+        self.initial_timeout_s = initial_timeout_s
+        self.steady_timeout_s = steady_timeout_s
+        self.heartbeat_interval_s = heartbeat_interval_s
+        self.auto_timeouts = auto_timeouts
+        self.auto_timeout_factor = auto_timeout_factor
+        self.observed = observed or Observed()
+        self.round = -1
+        self.workers: dict[int, _Worker] = {}
+        self.best_step: int | None = None
+        self.best_committed: int | None = None
+
+    # --- timeouts ----------------------------------------------------------------------------
+    def _auto(self, observed_max: float, configured: float) -> float:
+        floor = 4 * self.heartbeat_interval_s
+        return min(configured, max(floor, observed_max * self.auto_timeout_factor))
+
+    def effective_initial_s(self) -> float:
+        if self.auto_timeouts and self.observed.initial_samples > 0:
+            return self._auto(self.observed.initial_max_s, self.initial_timeout_s)
+        return self.initial_timeout_s
+
+    def effective_steady_s(self) -> float:
+        if self.auto_timeouts and self.observed.steady_samples >= AUTO_MIN_STEADY_SAMPLES:
+            return self._auto(self.observed.steady_gap_max_s, self.steady_timeout_s)
+        return self.steady_timeout_s
+
+    # --- rounds ------------------------------------------------------------------------------
+    def begin_round(
+        self, round_: int, workers: Mapping[int, tuple[int, int | None]], now: float
+    ) -> None:
+        """Start watching ``{local_rank: (rank, pid)}`` of round ``round_``, started at ``now``."""
+        self.round = round_
+        self.workers = {lr: _Worker(rank=r, pid=pid, start=now) for lr, (r, pid) in workers.items()}
+
+    def forget(self, local_rank: int) -> None:
+        """Stop watching a worker (it exited)."""
+        self.workers.pop(local_rank, None)
+
+    def record(self, msg: dict[str, Any], now: float) -> bool:
+        """Account one datagram; True when it is the first of its worker in this round."""
+        w = self.workers.get(int(msg.get("lr", -1)))
+        if (
+            w is None
+            or msg.get("round") != self.round
+            or (w.pid is not None and msg.get("pid") != w.pid)
+        ):
+            return False
+        first = w.first is None
+        if first:
+            w.first = now
+            self.observed.job_heartbeats = True
+            self.observed.initial_max_s = max(self.observed.initial_max_s, now - w.start)
+            self.observed.initial_samples += 1
+        elif w.last is not None:
+            self.observed.steady_gap_max_s = max(self.observed.steady_gap_max_s, now - w.last)
+            self.observed.steady_samples += 1
+        w.last = now
+        step, committed = msg.get("step"), msg.get("committed")
+        if isinstance(step, int):
+            w.last_step = step
+            self.best_step = step if self.best_step is None else max(self.best_step, step)
+        if isinstance(committed, int):
+            self.best_committed = (
+                committed if self.best_committed is None else max(self.best_committed, committed)
+            )
+        return first
+
+    def all_heartbeated(self) -> bool:
+        return bool(self.workers) and all(w.first is not None for w in self.workers.values())
+
+    @property
+    def progress(self) -> int | None:
+        """Best committed step seen, else best step seen, else None (the job reports none)."""
+        return self.best_committed if self.best_committed is not None else self.best_step
+
+    # --- deadlines ---------------------------------------------------------------------------
+    def _deadline(self, w: _Worker) -> tuple[float, float, str] | None:
+        if w.last is not None:
+            t = self.effective_steady_s()
+            return w.last + t, t, "steady"
+        if self.observed.job_heartbeats:
+            t = self.effective_initial_s()
+            return w.start + t, t, "initial"
+        return None
+
+    def next_deadline(self) -> float | None:
+        """The earliest monotonic time at which some worker becomes overdue, if any."""
+        if not self.enabled:
+            return None
+        times = [d[0] for w in self.workers.values() if (d := self._deadline(w)) is not None]
+        return min(times, default=None)
+
+    def overdue(self, now: float) -> list[Hang]:
+        """Workers past their deadline, plus those within half a timeout of it (co-suspects:
+        in a collective hang every rank falls silent at once); the longest-silent first. Empty
+        while no worker is past its deadline."""
+        if not self.enabled:
+            return []
+        out, late = [], False
+        for lr, w in self.workers.items():
+            d = self._deadline(w)
+            if d is None or now < d[0] - d[1] / 2:
+                continue
+            late = late or now >= d[0]
+            since = w.last if w.last is not None else w.start
+            out.append(
+                Hang(
+                    local_rank=lr,
+                    rank=w.rank,
+                    pid=w.pid,
+                    silent_s=now - since,
+                    timeout_s=d[1],
+                    phase=d[2],
+                    last_step=w.last_step,
+                )
+            )
+        if not late:
+            return []
+        out.sort(key=lambda h: (-h.silent_s, h.rank))
+        return out

@@ -1,0 +1,200 @@
+"""Rendezvous rounds over torch's c10d rendezvous, each with a fresh store for its workers.
+
+Membership and group ranks come from torch's ``DynamicRendezvousHandler`` on a c10d TCPStore
+(the *job store*, hosted by the agent whose address matches the endpoint, alive for the whole
+job; workers get its address as ``UNBROKEN_STORE_ADDR``). On top of each completed round:
+
+- the agent of group rank 0 draws the round id from a job-wide counter in the job store
+  (``unbroken/<rdzv_id>/round``), so every agent and worker agrees on it;
+- that agent starts a brand-new TCPStore server on a free port for the round's workers
+  (``MASTER_ADDR``/``MASTER_PORT``, ``TORCHELASTIC_USE_AGENT_STORE=True``) and publishes its
+  address under a round-scoped key. A worker of round N can never read a key a worker of
+  round N-1 wrote, so no restarted worker dials a dead peer's stale address
+  (pytorch/pytorch#135712), whatever prefix the script uses;
+- agents exchange their worker counts, so global ranks are contiguous per node.
+
+torch's handler sleeps a random 0-0.3 s before a rendezvous while its local round is 0; a
+single-node job therefore runs round 0 twice at start-up (hidden behind the warm pool's
+imports) so that its first restart does not pay that delay.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+from unbroken.launcher.args import JobSpec
+from unbroken.launcher.errors import LauncherError
+
+logger = logging.getLogger(__name__)
+
+_SHARE_STORE_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
+
+
+@dataclass(frozen=True, kw_only=True)
+class RoundInfo:
+    """One completed rendezvous round, as this node sees it."""
+
+    round: int
+    """The globally agreed round id (0 at the first launch)."""
+    group_rank: int
+    """This node's rank among the nodes of the round."""
+    group_world_size: int
+    """Nodes in the round."""
+    rank_offset: int
+    """Global rank of this node's local rank 0."""
+    world_size: int
+    """Workers in the round, all nodes together."""
+    master_addr: str
+    """Host of the round's fresh worker store."""
+    master_port: int
+    """Port of the round's fresh worker store."""
+    store_addr: str
+    """host:port of the job store (lives for the whole job)."""
+
+
+def _split(endpoint: str, default_port: int = 29400) -> tuple[str, int]:
+    host, sep, port = endpoint.rpartition(":")
+    if not sep:
+        return endpoint, default_port
+    return host.strip("[]"), int(port)
+
+
+class C10dRendezvous:
+    """torch's c10d rendezvous plus the round id, the worker store and the exit barrier."""
+
+    def __init__(self, spec: JobSpec, *, node_addr: str, timeout_s: float) -> None:
+        os.environ[_SHARE_STORE_ENV] = "1"  # torch's shared store is the stale-key source
+        import torch.distributed as dist
+        from torch.distributed.elastic.rendezvous import RendezvousParameters
+        from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import create_backend
+        from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handler
+
+        self._dist = dist
+        self.spec = spec
+        self.node_addr = node_addr
+        self.timeout_s = timeout_s
+        conf: dict[str, Any] = dict(spec.rdzv_conf)
+        conf.setdefault("join_timeout", str(max(1, int(timeout_s))))
+        if spec.is_host is not None:
+            conf["is_host"] = spec.is_host
+        params = RendezvousParameters(
+            backend="c10d",
+            endpoint=spec.rdzv_endpoint,
+            run_id=spec.rdzv_id,
+            min_nodes=spec.min_nodes,
+            max_nodes=spec.max_nodes,
+            local_addr=node_addr,
+            **conf,
+        )
+        try:
+            backend, store = create_backend(params)
+            self.handler = create_handler(store, backend, params)
+        except Exception as e:
+            raise LauncherError(
+                f"cannot reach the c10d rendezvous at {spec.rdzv_endpoint}: {e}; check "
+                "--rdzv-endpoint and that the host agent is up"
+            ) from e
+        self.job_store: Any = store  # a TCPStore (mypy sees the Store base)
+        host, _ = _split(spec.rdzv_endpoint)
+        self.store_addr = f"{host}:{getattr(store, 'port', 0)}"
+        self._worker_store: Any = None
+        self._rounds = 0
+        self._members: set[Any] = set()
+
+    def next_round(self) -> RoundInfo:
+        """Join the next round (blocks until it completes or times out)."""
+        self._worker_store = None  # the previous round's store dies with its workers
+        if self._rounds == 0 and self.spec.max_nodes == 1:
+            self.handler.next_rendezvous()  # see the module docstring
+        self._rounds += 1
+        info = self.handler.next_rendezvous()
+        rstore, group_rank, group_world = info.store, info.rank, info.world_size
+        timeout = timedelta(seconds=self.timeout_s)
+        rstore.set_timeout(timeout)
+        rstore.set(f"unbroken/nproc/{group_rank}", str(self.spec.nproc_per_node))
+        if group_rank == 0:
+            round_id = int(self.job_store.add(f"unbroken/{self.spec.rdzv_id}/round", 1)) - 1
+            self._worker_store = self._dist.TCPStore(
+                self.node_addr, 0, None, True, timeout=timeout, wait_for_workers=False
+            )
+            published: dict[str, Any] = {
+                "round": round_id,
+                "master_addr": self.node_addr,
+                "master_port": int(self._worker_store.port),
+            }
+            rstore.set("unbroken/round", json.dumps(published))
+        else:
+            published = json.loads(rstore.get("unbroken/round"))
+        self._members = set(self._state().participants) if self._state() is not None else set()
+        counts = [
+            int(v) for v in rstore.multi_get([f"unbroken/nproc/{i}" for i in range(group_world)])
+        ]
+        return RoundInfo(
+            round=int(published["round"]),
+            group_rank=group_rank,
+            group_world_size=group_world,
+            rank_offset=sum(counts[:group_rank]),
+            world_size=sum(counts),
+            master_addr=str(published["master_addr"]),
+            master_port=int(published["master_port"]),
+            store_addr=self.store_addr,
+        )
+
+    def _state(self) -> Any:
+        # torch has no public query for "a node of my round left"; read the handler's synced
+        # state, and treat a changed shape as "nothing known".
+        return getattr(getattr(self.handler, "_state_holder", None), "state", None)
+
+    def membership(self) -> tuple[int, list[str]]:
+        """(nodes waiting to join, nodes of this round gone from the rendezvous).
+
+        A node is gone when its keep-alive expired (torch removed it from the participants, the
+        wait list and the redundancy list); a node re-joining sits on the wait list instead.
+        Store errors count as "nothing changed": a dead store host shows up as worker failures.
+        """
+        try:
+            waiting = int(self.handler.num_nodes_waiting())  # syncs the state
+            state = self._state()
+            if state is None:
+                return waiting, []
+            known = set(state.participants) | set(state.wait_list) | set(state.redundancy_list)
+            return waiting, sorted(str(n) for n in self._members - known)
+        except Exception as e:
+            logger.warning("could not read the rendezvous state: %s", e)
+            return 0, []
+
+    def exit_barrier(self, info: RoundInfo) -> None:
+        """Wait until every node of the round finished (so the store host leaves last)."""
+        if info.group_world_size <= 1:
+            return
+        key = f"unbroken/{self.spec.rdzv_id}/exit/{info.round}"
+        deadline = time.monotonic() + self.timeout_s
+        try:
+            done = int(self.job_store.add(key, 1))
+            while done < info.group_world_size and time.monotonic() < deadline:
+                time.sleep(0.05)
+                done = int(self.job_store.add(key, 0))
+        except Exception as e:
+            logger.warning("exit barrier of round %d failed: %s", info.round, e)
+            return
+        if done < info.group_world_size:
+            logger.warning(
+                "exit barrier: only %d of %d nodes finished within %.0f s",
+                done,
+                info.group_world_size,
+                self.timeout_s,
+            )
+
+    def close(self) -> None:
+        """Close the rendezvous for every node (the job is over) and stop keep-alives."""
+        self._worker_store = None
+        try:
+            self.handler.shutdown()
+        except Exception as e:
+            logger.warning("rendezvous shutdown failed: %s", e)

@@ -1,0 +1,253 @@
+"""The warm pool: a process that has imported torch once and forks workers on request.
+
+The agent starts it at launch (``python -m unbroken.launcher.zygote --fd N``), in parallel with
+its own start-up. It imports the preload modules (by default torch, torch.distributed and the
+lazily imported torch._dynamo that the first DDP()/fully_shard() pays), freezes the heap
+(``gc.freeze``: no copy-on-write churn in the children), checks that no thread runs, and
+serves spawn requests over a socketpair (length-prefixed JSON). A pool that runs a thread or has
+initialized CUDA (a forked child could not use it) is not used: workers then start cold.
+
+Each worker is double-forked: the zygote forks an intermediate that forks the worker and exits
+at once, so the worker is re-parented to the agent, which is a child subreaper. The agent can
+then reap it, see its exit status and signal its process group like any child; the zygote
+stays single-threaded and holds no state about workers. The zygote dies with the agent
+(PR_SET_PDEATHSIG), and so does every worker (see ``bootstrap``).
+
+``Zygote`` is the agent's handle on it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import importlib
+import json
+import logging
+import os
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from unbroken.launcher import bootstrap
+from unbroken.launcher.errors import LauncherError
+
+logger = logging.getLogger(__name__)
+
+_HEADER = struct.Struct("!I")
+
+
+def _send(sock: socket.socket, obj: Any) -> None:
+    data = json.dumps(obj).encode()
+    sock.sendall(_HEADER.pack(len(data)) + data)
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes | None:
+    buf = b""
+    while len(buf) < n:
+        chunk = sock.recv(n - len(buf))
+        if not chunk:
+            return None
+        buf += chunk
+    return buf
+
+
+def _recv(sock: socket.socket) -> Any:
+    head = _recv_exact(sock, _HEADER.size)
+    if head is None:
+        return None
+    body = _recv_exact(sock, _HEADER.unpack(head)[0])
+    return None if body is None else json.loads(body)
+
+
+def _threads() -> int:
+    try:
+        return len(os.listdir("/proc/self/task"))
+    except OSError:
+        return 1
+
+
+# --- the zygote process ----------------------------------------------------------------------
+def _fork_worker(req: dict[str, Any], sock: socket.socket) -> int | dict[str, Any]:
+    """In the zygote: the worker's pid. In the worker: its request (return to __main__)."""
+    r, w = os.pipe()
+    mid = os.fork()
+    if mid == 0:  # the intermediate: fork the worker, report its pid, vanish
+        os.close(r)
+        try:
+            pid = os.fork()
+        except OSError:
+            os._exit(1)
+        if pid == 0:
+            os.close(w)
+            sock.close()
+            return req
+        os.write(w, str(pid).encode())
+        os._exit(0)
+    os.close(w)
+    data = os.read(r, 32)
+    os.close(r)
+    os.waitpid(mid, 0)
+    return int(data) if data else -1
+
+
+def serve(sock: socket.socket) -> dict[str, Any] | None:
+    """Answer spawn requests until the agent hangs up (None); in a worker, its request."""
+    while True:
+        msg = _recv(sock)
+        if msg is None:
+            return None
+        if _threads() > 1:
+            _send(sock, {"error": f"the warm pool has {_threads()} threads; refusing to fork"})
+            continue
+        pids = []
+        for req in msg["workers"]:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            out = _fork_worker(req, sock)
+            if isinstance(out, dict):
+                return out
+            pids.append(out)
+        _send(sock, {"pids": pids})
+
+
+def main(argv: Sequence[str]) -> tuple[dict[str, Any], int] | None:
+    p = argparse.ArgumentParser(prog="python -m unbroken.launcher.zygote")
+    p.add_argument("--fd", type=int, required=True)
+    p.add_argument("--preload", default="")
+    ns = p.parse_args(argv)
+    agent_pid = os.getppid()
+    bootstrap.set_pdeathsig(signal.SIGKILL)
+    if os.getppid() != agent_pid:
+        return None
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the agent's to handle
+    sock = socket.socket(fileno=ns.fd)
+    t0 = time.monotonic()
+    failed = {}
+    for mod in filter(None, ns.preload.split(",")):
+        try:
+            importlib.import_module(mod)
+        except Exception as e:  # a bad preload costs speed, not correctness
+            failed[mod] = f"{type(e).__name__}: {e}"
+    gc.collect()
+    gc.freeze()
+    torch = sys.modules.get("torch")
+    cuda = bool(torch is not None and torch.cuda.is_initialized())
+    _send(
+        sock,
+        {
+            "ready": True,
+            "preload_s": time.monotonic() - t0,
+            "failed": failed,
+            "threads": _threads(),
+            "cuda_initialized": cuda,
+            "pid": os.getpid(),
+        },
+    )
+    req = serve(sock)
+    return None if req is None else (req, agent_pid)
+
+
+# --- the agent's handle ----------------------------------------------------------------------
+class Zygote:
+    """Start the warm pool; ``spawn`` forks workers from it. Not thread-safe."""
+
+    def __init__(self, preload: Sequence[str], *, env: dict[str, str]) -> None:
+        self._sock, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "unbroken.launcher.zygote",
+                "--fd",
+                str(child.fileno()),
+                "--preload",
+                ",".join(preload),
+            ],
+            pass_fds=(child.fileno(),),
+            env=env,
+            stdin=subprocess.DEVNULL,
+        )
+        child.close()
+        self.pid = self.proc.pid
+        self.ready: dict[str, Any] | None = None
+        self.dead = False
+
+    def wait_ready(self, timeout_s: float) -> bool:
+        """True once the pool has imported its modules, if it is safe to fork from."""
+        if self.dead:
+            return False
+        if self.ready is None:
+            self._sock.settimeout(timeout_s)
+            try:
+                msg = _recv(self._sock)
+            except OSError:
+                msg = None
+            if not msg:
+                logger.warning("the warm pool did not come up; starting workers cold")
+                self.dead = True
+                return False
+            self.ready = msg
+            if msg.get("failed"):
+                logger.warning("warm pool: could not preload %s", msg["failed"])
+            if msg.get("cuda_initialized"):
+                logger.warning(
+                    "warm pool: a preload module initialized CUDA, which a forked "
+                    "worker cannot use; starting workers cold"
+                )
+                self.dead = True
+            elif int(msg.get("threads", 1)) != 1:
+                logger.warning(
+                    "warm pool: %s threads run after the preload; forking is unsafe, "
+                    "starting workers cold",
+                    msg.get("threads"),
+                )
+                self.dead = True
+            else:
+                logger.info("warm pool ready: preloaded in %.2f s", msg.get("preload_s", 0.0))
+        return not self.dead
+
+    def spawn(self, requests: list[dict[str, Any]], *, timeout_s: float) -> list[int]:
+        """Fork one worker per request; their pids. Raises LauncherError on any problem."""
+        if not self.wait_ready(timeout_s):
+            raise LauncherError("the warm pool is not usable (see the warnings above)")
+        self._sock.settimeout(timeout_s)
+        try:
+            _send(self._sock, {"workers": requests})
+            reply = _recv(self._sock)
+        except OSError as e:
+            self.dead = True
+            raise LauncherError(f"the warm pool stopped answering: {e}") from e
+        if not reply or "pids" not in reply or min(reply["pids"], default=0) <= 0:
+            self.dead = True
+            for pid in (reply or {}).get("pids", []):  # the half that did start: not ours now
+                if pid > 0:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, signal.SIGKILL)
+            raise LauncherError(f"the warm pool could not fork workers: {reply}")
+        return [int(p) for p in reply["pids"]]
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        self.dead = True
+        self._sock.close()
+        if self.proc.returncode is None:
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+if __name__ == "__main__":
+    _started = main(sys.argv[1:])
+    if _started is None:
+        sys.exit(0)
+    _req, _agent_pid = _started
+    del _started
+    bootstrap.become_worker(_req, agent_pid=_agent_pid)
+    bootstrap.run_target(_req)

@@ -1,0 +1,173 @@
+"""The in-process restart's configuration, its errors and its exit codes."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from unbroken.errors import UnbrokenError
+
+if TYPE_CHECKING:
+    from unbroken.restart.health import HealthCheck
+
+# Exit codes a training script should return for the two ways ``run`` gives up on this process.
+EXIT_ESCALATE = 75
+"""The job cannot continue in-process (limits hit, too few healthy ranks): the launcher (or
+Kubernetes) must take over. 75 is sysexits' EX_TEMPFAIL: "try again later"."""
+EXIT_EXCLUDED = 0
+"""This rank left the job (it failed its health check) while the others continue. 0, because
+torchrun tears the whole group down when any worker exits non-zero."""
+
+
+class RestartError(UnbrokenError):
+    """Root of the in-process restart's errors."""
+
+
+class RestartInterrupt(BaseException):  # noqa: N818 - an interrupt, not an error
+    """Raised asynchronously in the main thread to stop ``fn`` for a restart.
+
+    A ``BaseException`` so that ``except Exception`` in user code does not swallow it; it is
+    raised again every monitor interval until ``fn`` has returned anyway.
+    """
+
+
+class Escalated(RestartError):  # noqa: N818
+    """``run`` gave up: a higher layer must restart the job. Exit with ``exit_code``."""
+
+    exit_code = EXIT_ESCALATE
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+class RankExcluded(RestartError):  # noqa: N818
+    """This rank was dropped from the job (failed health check, or arrived too late)."""
+
+    exit_code = EXIT_EXCLUDED
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+@dataclass(frozen=True, kw_only=True)
+class RestartConfig:
+    """How ``unbroken.restart.run`` detects faults and restarts ``fn``. Durations in seconds."""
+
+    max_iterations: int = 16
+    """``fn`` is called at most this many times; a fault in the last one escalates."""
+    min_world_size: int = 1
+    """Fewer healthy ranks than this escalates instead of continuing smaller."""
+    max_rank_faults: int = 3
+    """The same rank (by its launch rank) causing this many faults escalates."""
+    max_restore_point_faults: int = 3
+    """This many consecutive faults from the same restore point (the first step an iteration
+    completes, i.e. the checkpoint it resumed from) escalates."""
+    soft_timeout_s: float = 60.0
+    """No step heartbeat for this long: the rank is declared hung and all ranks restart."""
+    hard_timeout_s: float = 90.0
+    """No step heartbeat for this long: the rank is killed (SIGKILL) for the launcher."""
+    initial_soft_timeout_s: float = 600.0
+    """The soft timeout before an iteration's first step (model build, checkpoint load)."""
+    initial_hard_timeout_s: float = 900.0
+    """The hard timeout before an iteration's first step."""
+    exit_timeout_s: float = 30.0
+    """After a restart was requested, ``fn`` must have returned within this, else the rank is
+    killed (it is stuck in native code that no abort reaches)."""
+    barrier_timeout_s: float = 120.0
+    """How long ranks wait for each other between iterations before leaving a rank out."""
+    monitor_interval_s: float = 0.05
+    """Period of the watchdog's checks and of repeated interrupts."""
+    backstop_margin_s: float | None = 10.0
+    """A GIL-free timer (faulthandler) exits the process this long after a missed hard
+    timeout, for a main thread stuck in native code while holding the GIL; None: off."""
+    pg_backend: str | None = None
+    """Backend of the process group ``run`` forms: "gloo", "nccl", or None for nccl when CUDA is
+    available, else gloo."""
+    pg_timeout_s: float = 600.0
+    """Collective timeout of the process group."""
+    health_checks: Sequence[HealthCheck] | None = None
+    """Checks each rank runs before rejoining; None: ``health.default_checks()``."""
+    store_addr: str | None = None
+    """``host:port`` of the coordination store; None: from the environment (see store.py)."""
+    store_timeout_s: float = 60.0
+    """Timeout of single store operations and of reaching the store at start."""
+    gc_freeze: bool = True
+    """Exempt the objects that exist when ``run`` starts from cyclic garbage collection until
+    it returns (``gc.freeze``), so that freeing a failed iteration's model takes milliseconds
+    instead of a walk over the whole heap. Cyclic garbage among those objects waits."""
+
+    def __post_init__(self) -> None:
+        if self.max_iterations < 1:
+            raise ValueError(f"max_iterations must be >= 1, got {self.max_iterations}")
+        for name in ("min_world_size", "max_rank_faults", "max_restore_point_faults"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("monitor_interval_s", "exit_timeout_s", "pg_timeout_s", "store_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        order = [
+            ("monitor_interval_s", self.monitor_interval_s),
+            ("soft_timeout_s", self.soft_timeout_s),
+            ("hard_timeout_s", self.hard_timeout_s),
+            ("barrier_timeout_s", self.barrier_timeout_s),
+        ]
+        self._check_order(order)
+        self._check_order(
+            [
+                ("soft_timeout_s", self.soft_timeout_s),
+                ("initial_soft_timeout_s", self.initial_soft_timeout_s),
+                ("initial_hard_timeout_s", self.initial_hard_timeout_s),
+            ],
+            strict=False,
+        )
+        self._check_order(
+            [
+                ("hard_timeout_s", self.hard_timeout_s),
+                ("initial_hard_timeout_s", self.initial_hard_timeout_s),
+            ],
+            strict=False,
+        )
+        if self.initial_hard_timeout_s <= self.initial_soft_timeout_s:
+            raise ValueError(
+                f"initial_hard_timeout_s ({self.initial_hard_timeout_s}) must be > "
+                f"initial_soft_timeout_s ({self.initial_soft_timeout_s})"
+            )
+        if self.exit_timeout_s >= self.barrier_timeout_s:
+            raise ValueError(
+                f"exit_timeout_s ({self.exit_timeout_s}) must be < barrier_timeout_s "
+                f"({self.barrier_timeout_s}): peers must wait longer than a rank may take to stop"
+            )
+        if self.backstop_margin_s is not None and self.backstop_margin_s <= 0:
+            raise ValueError(f"backstop_margin_s must be > 0 or None, got {self.backstop_margin_s}")
+        if self.pg_backend not in (None, "gloo", "nccl"):
+            raise ValueError(f"pg_backend must be 'gloo', 'nccl' or None, got {self.pg_backend!r}")
+        if self.store_addr is not None:
+            parse_addr(self.store_addr)
+
+    @staticmethod
+    def _check_order(pairs: list[tuple[str, float]], *, strict: bool = True) -> None:
+        for (a, va), (b, vb) in zip(pairs, pairs[1:], strict=False):
+            if va >= vb if strict else va > vb:
+                rel = "<" if strict else "<="
+                raise ValueError(
+                    f"{a} ({va}) must be {rel} {b} ({vb}); timeouts must be ordered "
+                    f"{' < '.join(n for n, _ in pairs)}"
+                )
+
+    def timeouts(self, *, initial: bool) -> tuple[float, float]:
+        """(soft, hard) progress timeouts before (initial) or after an iteration's first step."""
+        if initial:
+            return self.initial_soft_timeout_s, self.initial_hard_timeout_s
+        return self.soft_timeout_s, self.hard_timeout_s
+
+
+def parse_addr(addr: str) -> tuple[str, int]:
+    """``host:port`` (``[v6]:port`` too) -> (host, port); ValueError naming the bad value."""
+    host, sep, port = addr.rpartition(":")
+    host = host.strip("[]")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"store address {addr!r} is not host:port (e.g. 10.0.0.1:29500)")
+    return host, int(port)

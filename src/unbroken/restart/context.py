@@ -1,0 +1,137 @@
+"""What ``fn`` gets: its place in the job this iteration, why it was restarted, and the
+progress heartbeat that the watchdog lives on."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+StepHook = Callable[[int], None]
+
+
+@dataclass(frozen=True, kw_only=True)
+class RestartCause:
+    """Why ``fn`` was called again."""
+
+    iteration: int
+    """The iteration that failed."""
+    kind: str
+    """"exception", "hang" (no progress, running Python), "stuck" (no progress, in native
+    code), "pg_init" (the process group could not be formed)."""
+    rank: int
+    """The failing rank, in the failed iteration's numbering."""
+    member: int
+    """The failing rank's launch rank."""
+    message: str
+    """What it reported (exception type and message, or the watchdog's figures)."""
+    excluded: tuple[int, ...] = ()
+    """Launch ranks that left the job at this restart."""
+
+
+class RestartContext:
+    """Handed to ``fn`` by ``unbroken.restart.run``; one per iteration.
+
+    The default process group is initialized before ``fn`` is called (``dist.get_rank()`` equals
+    ``rank``) and torn down by ``run`` afterwards: ``fn`` must not destroy it, and anything that
+    holds it (a DDP/FSDP model, a DeviceMesh, a Checkpointer) belongs inside ``fn``.
+    """
+
+    def __init__(
+        self,
+        *,
+        iteration: int,
+        cause: RestartCause | None,
+        rank: int,
+        world_size: int,
+        local_rank: int,
+        member: int,
+        run_dir: Path | None,
+        ledger: Any,
+        monitor: Any,
+    ) -> None:
+        self._iteration = iteration
+        self._cause = cause
+        self._rank = rank
+        self._world_size = world_size
+        self._local_rank = local_rank
+        self._member = member
+        self._run_dir = run_dir
+        self._ledger = ledger
+        self._monitor = monitor
+        self._hooks: list[StepHook] = []
+        self.first_step: int | None = None
+        """The first step completed in this iteration (its restore point), or None."""
+        self.last_step: int | None = None
+        """The last step completed in this iteration, or None."""
+
+    @property
+    def iteration(self) -> int:
+        """0 on the first call, +1 per in-process restart."""
+        return self._iteration
+
+    @property
+    def cause(self) -> RestartCause | None:
+        """Why this iteration exists; None on the first call."""
+        return self._cause
+
+    @property
+    def rank(self) -> int:
+        """Global rank in this iteration (ranks are renumbered when a rank leaves)."""
+        return self._rank
+
+    @property
+    def world_size(self) -> int:
+        """Number of ranks in this iteration."""
+        return self._world_size
+
+    @property
+    def local_rank(self) -> int:
+        """Rank on this node (the GPU index); never changes."""
+        return self._local_rank
+
+    @property
+    def member(self) -> int:
+        """The launch rank (RANK at start): this process's identity across iterations."""
+        return self._member
+
+    @property
+    def run_dir(self) -> Path | None:
+        """The run directory (ledger, checkpoints), if known."""
+        return self._run_dir
+
+    def step_done(self, step: int, **data: Any) -> None:
+        """Call after each completed training step (after ``optimizer.step``): the progress
+        heartbeat, the ledger's ``step`` record (``data`` goes into it), then the step hooks
+        in registration order (a hook may raise, hang or kill: that is the fault injector)."""
+        self._monitor.progress(step=True)
+        if self.first_step is None:
+            self.first_step = step
+        self.last_step = step
+        self._ledger.step(step, **data)
+        for hook in self._hooks:
+            hook(step)
+
+    def heartbeat(self) -> None:
+        """Progress without a completed step (e.g. in a long evaluation loop)."""
+        self._monitor.progress(step=False)
+
+    def add_step_hook(self, hook: StepHook) -> None:
+        """Call ``hook(step)`` at the end of every ``step_done`` of this iteration."""
+        self._hooks.append(hook)
+
+    @contextmanager
+    def no_hang_protection(self) -> Iterator[None]:
+        """Suspend the hang watchdog (soft and hard timeouts) for a known long region, such as
+        a blocking checkpoint save or an evaluation. Faults of other ranks still interrupt it;
+        the progress clock restarts when the region ends."""
+        self._monitor.protect(enter=True)
+        try:
+            yield
+        finally:
+            self._monitor.protect(enter=False)

@@ -1,0 +1,200 @@
+"""The progress watchdog: on a fixed schedule, decide whether the main thread is hung.
+
+Two questions, two signals:
+- progress: the time since the last step heartbeat (``RestartContext.step_done``); past the
+  soft timeout the rank is hung (-> in-process restart), past the hard timeout it is killed;
+- is it executing Python at all: the time since the main thread last ran bytecode
+  (``interrupt.PythonProbe``). A rank without progress that still runs Python is *hung* (a
+  loop, a swallowed error); one that runs no Python is *stuck* in native code (a collective
+  whose peer never comes, a deadlock). The kind names the cause; the action is the same.
+
+This module only decides; it owns no thread and does no I/O, so tests drive it with a fake
+clock. ``monitor.Monitor`` calls ``evaluate`` every ``monitor_interval_s`` from its own
+thread, never from one that waits on the store, so checks fire on time whatever the message
+traffic. A main thread that holds the GIL in native code starves every Python thread; the
+``Backstop`` (faulthandler's C timer) ends the process then.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import logging
+import sys
+import threading
+from dataclasses import dataclass
+
+from unbroken.restart.config import RestartConfig
+
+logger = logging.getLogger(__name__)
+
+NONE = "none"
+RESTART = "restart"
+KILL = "kill"
+
+HANG = "hang"
+"""No progress, main thread executing Python."""
+STUCK = "stuck"
+"""No progress, main thread not executing Python (native code)."""
+EXIT_TIMEOUT = "exit_timeout"
+"""A restart was requested, but fn did not return in time."""
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What the watchdog wants done now."""
+
+    action: str
+    """NONE, RESTART or KILL."""
+    kind: str = ""
+    """HANG, STUCK or EXIT_TIMEOUT."""
+    idle_s: float = 0.0
+    """Seconds since the last progress heartbeat."""
+    silent_s: float = 0.0
+    """Seconds since the main thread last executed Python."""
+
+    @property
+    def main_state(self) -> str:
+        return "native" if self.kind == STUCK else "python"
+
+    def describe(self) -> str:
+        return (
+            f"{self.kind}: no progress for {self.idle_s:.3f}s, "
+            f"no Python executed for {self.silent_s:.3f}s"
+        )
+
+
+_QUIET = Verdict(NONE)
+
+
+class Watchdog:
+    """Progress deadlines of one rank; every method takes ``now`` (monotonic seconds)."""
+
+    def __init__(self, config: RestartConfig) -> None:
+        self.config = config
+        self.armed = False
+        self.first_step_seen = False
+        self.last_progress = 0.0
+        self.protect_depth = 0
+        self.requested_at: float | None = None
+
+    def arm(self, now: float) -> None:
+        """fn is about to be called: initial timeouts run from now."""
+        self.armed = True
+        self.first_step_seen = False
+        self.last_progress = now
+        self.protect_depth = 0
+        self.requested_at = None
+
+    def disarm(self) -> None:
+        self.armed = False
+
+    def progress(self, now: float, *, step: bool) -> None:
+        """A heartbeat; ``step`` ends the initial phase."""
+        self.last_progress = now
+        if step:
+            self.first_step_seen = True
+
+    def protect(self, now: float, *, enter: bool) -> None:
+        """Enter or leave a region without hang protection; leaving restarts the clock."""
+        self.protect_depth += 1 if enter else -1
+        assert self.protect_depth >= 0, "unbalanced no_hang_protection"
+        if not enter and self.protect_depth == 0:
+            self.last_progress = now
+
+    def requested(self, now: float) -> None:
+        """A restart was requested (by us or a peer): fn now has exit_timeout_s to return."""
+        if self.requested_at is None:
+            self.requested_at = now
+
+    def evaluate(self, now: float, *, silent_s: float) -> Verdict:
+        if not self.armed:
+            return _QUIET
+        soft, hard = self.config.timeouts(initial=not self.first_step_seen)
+        idle = now - self.last_progress
+        protected = self.protect_depth > 0
+        if self.requested_at is not None:
+            if now - self.requested_at > self.config.exit_timeout_s:
+                return Verdict(KILL, EXIT_TIMEOUT, idle, silent_s)
+            if not protected and idle > hard:
+                return Verdict(KILL, self._kind(silent_s, soft), idle, silent_s)
+            return _QUIET
+        if protected:
+            return _QUIET
+        if idle > hard:
+            return Verdict(KILL, self._kind(silent_s, soft), idle, silent_s)
+        if idle > soft:
+            return Verdict(RESTART, self._kind(silent_s, soft), idle, silent_s)
+        return _QUIET
+
+    def suspect(self, now: float, *, silent_s: float) -> str | None:
+        """HANG or STUCK when the rank has been without progress for half its soft timeout
+        (not yet a verdict). Used when a peer's report arrives: a rank that is itself hanging
+        in Python must own up to it rather than pass for the peer's victim."""
+        if not self.armed or self.protect_depth > 0 or self.requested_at is not None:
+            return None
+        soft, _ = self.config.timeouts(initial=not self.first_step_seen)
+        if now - self.last_progress < 0.5 * soft:
+            return None
+        return self._kind(silent_s, soft)
+
+    @staticmethod
+    def _kind(silent_s: float, soft: float) -> str:
+        # Stuck when the main thread ran no Python for most of the soft timeout.
+        return STUCK if silent_s >= 0.5 * soft else HANG
+
+    def deadline(self) -> float | None:
+        """Monotonic time at which ``evaluate`` will say KILL, or None (not armed/protected)."""
+        if not self.armed:
+            return None
+        _, hard = self.config.timeouts(initial=not self.first_step_seen)
+        limits = []
+        if self.protect_depth == 0:
+            limits.append(self.last_progress + hard)
+        if self.requested_at is not None:
+            limits.append(self.requested_at + self.config.exit_timeout_s)
+        return min(limits) if limits else None
+
+
+class Backstop:
+    """A GIL-free kill timer: faulthandler's C thread exits the process (code 1, tracebacks on
+    stderr) ``margin_s`` after a watchdog deadline that the watchdog thread failed to act on.
+
+    Re-armed only when the deadline moves earlier or later by more than ``slack_s``, so a
+    training loop's heartbeats do not restart the C thread every step. Armed by the main thread
+    when fn starts (a main thread that takes the GIL at once never lets the watchdog thread
+    run), then kept up to date by the watchdog thread: it fires only when that thread was
+    starved past a deadline it knew, by ``margin_s - slack_s`` at least.
+    """
+
+    def __init__(self, margin_s: float | None) -> None:
+        self.margin_s = margin_s
+        self.slack_s = 0.0 if margin_s is None else min(1.0, margin_s / 2)
+        self._target: float | None = None
+        self._lock = threading.Lock()
+
+    def update(self, deadline: float | None, now: float) -> None:
+        """Arm for ``deadline`` (monotonic; None: cancel). Any thread."""
+        if self.margin_s is None:
+            return
+        if deadline is None:
+            self.cancel()
+            return
+        target = deadline + self.margin_s
+        with self._lock:
+            if self._target is not None and self._target <= target <= self._target + self.slack_s:
+                return
+            try:
+                faulthandler.dump_traceback_later(
+                    max(target - now, 0.001), exit=True, file=sys.stderr
+                )
+            except (ValueError, RuntimeError, OSError) as e:  # no usable stderr
+                logger.warning("watchdog backstop unavailable: %s", e)
+                self.margin_s = None
+                return
+            self._target = target
+
+    def cancel(self) -> None:
+        with self._lock:
+            if self._target is not None:
+                faulthandler.cancel_dump_traceback_later()
+                self._target = None

@@ -1,0 +1,393 @@
+"""``run(fn)``: call ``fn`` until it returns on every rank, restarting it in-process on faults.
+
+One iteration, on every rank (main thread):
+
+1. form the default process group on a fresh store prefix (``i<k>/pg/``; gloo and NCCL pick
+   fresh ports themselves), emit ``restart_end`` if this is a restart, call ``fn(ctx)``;
+2. a fault anywhere ends ``fn`` everywhere: the rank that raised (or whose watchdog fired)
+   publishes a report that wakes every other rank's monitor, and closes its group's
+   connections, which fails every collective on them at once; every rank's monitor closes its
+   own connections too and interrupts ``fn`` until it returns (monitor.py);
+3. barrier A, then (after a fault) health checks, barrier B and the decision (barrier.py):
+   if all returned, tear the group down and return ``fn``'s value; else renumber the healthy
+   ranks and go to 1, or escalate;
+4. a rank left out raises ``RankExcluded``; on escalation every rank raises ``Escalated``.
+
+Before returning (or raising), every rank writes ``bye/<member>``; the rank that started the
+store server waits for every member's bye, then stops it. No thread or process of ours
+outlives ``run``.
+"""
+
+from __future__ import annotations
+
+import functools
+import gc
+import logging
+import time
+import traceback
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any, TypeVar
+
+import torch.distributed as dist
+
+from unbroken.env import WorkerEnv
+from unbroken.ledger import events as ev
+from unbroken.restart import assign, pg
+from unbroken.restart.barrier import Between
+from unbroken.restart.config import (
+    Escalated,
+    RankExcluded,
+    RestartConfig,
+    RestartError,
+    RestartInterrupt,
+)
+from unbroken.restart.context import RestartCause, RestartContext
+from unbroken.restart.health import default_checks
+from unbroken.restart.interrupt import Interrupter
+from unbroken.restart.monitor import Armed, Monitor
+from unbroken.restart.store import Keys, locate, register
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+def _log_error(rank: int, error: BaseException) -> None:
+    # Formatted here: a LogRecord holding exc_info would keep fn's frames (its model) alive
+    # in any handler that keeps records.
+    text = "".join(traceback.format_exception(error)).rstrip()
+    logger.error("rank %d: fn raised:\n%s", rank, text)
+
+
+class _NoLedger:
+    """Stands in for a Ledger when there is no run directory."""
+
+    run = "local"
+
+    def emit(self, kind: str, *, ts: float | None = None, **data: Any) -> None:
+        return None
+
+    def step(self, step: int, **data: Any) -> None:
+        pass
+
+    def mark(self, ts: float | None = None) -> None:
+        pass
+
+    def set_context(self, *, rank: int | None = None, iteration: int | None = None) -> None:
+        pass
+
+    def flush(self, timeout_s: float = 5.0) -> bool:
+        return True
+
+    @contextmanager
+    def phase(self, name: str, **data: Any) -> Iterator[None]:
+        yield
+
+    def close(self) -> None:
+        pass
+
+
+def run(
+    fn: Callable[[RestartContext], T],
+    *,
+    config: RestartConfig | None = None,
+    ledger: Any = None,
+    env: WorkerEnv | None = None,
+) -> T:
+    """Call ``fn(ctx)`` on every rank until it returns everywhere; returns its value.
+
+    Call from the main thread, without a default process group (``run`` forms it). Raises
+    ``Escalated`` (exit with ``EXIT_ESCALATE``) when the job cannot go on in-process, and
+    ``RankExcluded`` (exit with ``EXIT_EXCLUDED``) on a rank that left the job.
+    ``KeyboardInterrupt`` and ``SystemExit`` from ``fn`` end ``run`` on that rank (its peers
+    restart without it).
+    """
+    config = config or RestartConfig()
+    env = env or WorkerEnv.from_environ()
+    if dist.is_initialized():
+        raise ValueError(
+            "unbroken.restart.run forms the default process group itself; do not call "
+            "init_process_group before it"
+        )
+    owned = None
+    if ledger is None and env.run_dir is not None:
+        from unbroken.ledger import Ledger
+
+        run_id = env.run_id if env.run_id and env.run_id != "none" else env.run_dir.name
+        owned = ledger = Ledger(env.run_dir, run=run_id, rank=env.rank, attempt=env.restart_count)
+    frozen = config.gc_freeze and gc.get_freeze_count() == 0
+    if frozen:
+        gc.freeze()
+    try:
+        runner = _Runner(fn, config=config, ledger=ledger or _NoLedger(), env=env, gc_frozen=frozen)
+        try:
+            return runner.loop()
+        finally:
+            runner.close()
+    finally:
+        if frozen:
+            gc.unfreeze()
+        if owned is not None:
+            owned.close()
+
+
+class _Runner:
+    def __init__(
+        self,
+        fn: Callable[[RestartContext], Any],
+        *,
+        config: RestartConfig,
+        ledger: Any,
+        env: WorkerEnv,
+        gc_frozen: bool,
+    ) -> None:
+        self.fn = fn
+        self.config = config
+        self.ledger = ledger
+        self.env = env
+        self.member = env.rank
+        self.members: tuple[int, ...] = tuple(range(env.world_size))
+        run_id = env.run_id if env.run_id and env.run_id != "none" else getattr(ledger, "run", "")
+        self.keys = Keys.for_run(run=run_id or "local", attempt=env.restart_count)
+        self.backend = config.pg_backend or pg.default_backend()
+        self.checks = default_checks() if config.health_checks is None else config.health_checks
+        self.history = assign.History()
+        self.reaper = pg.Reaper()
+        self.gc_frozen = gc_frozen
+        self.interrupter = Interrupter()
+        self.monitor: Monitor | None = None
+        self.host, must_register = locate(
+            env, keys=self.keys, override=config.store_addr, timeout_s=config.store_timeout_s
+        )
+        try:
+            self.client = self.host.client(timeout_s=config.store_timeout_s)
+            if must_register:
+                register(self.client)
+            self.between = Between(
+                client=self.client,
+                keys=self.keys,
+                config=config,
+                checks=self.checks,
+                member=self.member,
+                local_rank=env.local_rank,
+            )
+            self.monitor = Monitor(
+                config=config, ledger=self.ledger, interrupter=self.interrupter, store=self.host
+            )
+        except BaseException:
+            self.host.close()
+            raise
+
+    # --- the loop ----------------------------------------------------------------------------
+    def loop(self) -> Any:
+        cause: RestartCause | None = None
+        iteration = 0
+        restart_t0: float | None = None
+        while True:
+            rank = self.members.index(self.member)
+            self.ledger.set_context(rank=rank, iteration=iteration)
+            record, value, begun = self._iterate(iteration, rank, cause, restart_t0)
+            t_agree = time.time()
+            decision = self._agree(iteration, record)
+            if decision.status == assign.STATUS_OK:
+                pg.teardown(self.reaper, abort=False)
+                return value
+            pg.teardown(self.reaper, abort=True)
+            if not begun:
+                self._restart_begin(cause_kind=decision.culprit.kind if decision.culprit else "")
+            restart_t0 = begun or t_agree
+            culprit = decision.culprit
+            assert culprit is not None
+            if decision.status == assign.STATUS_ESCALATE:
+                self.ledger.emit(ev.ESCALATE, reason=decision.reason, layer="inprocess")
+                self.ledger.flush(1.0)
+                raise Escalated(decision.reason)
+            if self.member not in decision.members:
+                why = decision.excluded.get(str(self.member), "left out")
+                self.ledger.emit(
+                    ev.RESTART_END,
+                    layer="inprocess",
+                    status="excluded",
+                    reason=why,
+                    **self.between.health_summary,
+                )
+                raise RankExcluded(f"rank {self.member} left the job: {why}")
+            self.history = decision.history
+            self.members = decision.members
+            cause = RestartCause(
+                iteration=iteration,
+                kind=culprit.kind,
+                rank=culprit.rank,
+                member=culprit.member,
+                message=culprit.message,
+                excluded=tuple(int(m) for m in decision.excluded),
+            )
+            logger.warning(
+                "in-process restart %d: %s on rank %d (%s); world %d -> %d",
+                iteration + 1,
+                culprit.kind,
+                culprit.rank,
+                culprit.message[:200],
+                len(self.members) + len(decision.excluded),
+                len(self.members),
+            )
+            iteration += 1
+
+    def _iterate(
+        self, iteration: int, rank: int, cause: RestartCause | None, restart_t0: float | None
+    ) -> tuple[assign.ExitRecord, Any, float | None]:
+        """Form the group, run fn once; returns its exit record, value, and the time the
+        restart began on this rank (None if fn returned and no fault was seen here)."""
+        assert self.monitor is not None
+        world = len(self.members)
+        # Before forming the group: forming it is a barrier, so every rank's restart_end then
+        # precedes every rank's first step (the report's resume threshold).
+        if restart_t0 is not None and cause is not None:
+            self.ledger.emit(
+                ev.RESTART_END,
+                layer="inprocess",
+                cause=cause.kind,
+                fault_rank=cause.rank,
+                world_size=world,
+                members=list(self.members),
+                excluded=list(cause.excluded),
+                restart_s=time.time() - restart_t0,
+                **self.between.health_summary,
+            )
+        # The last iteration's model is freed (and survivors frozen) before anything of the
+        # next one exists: on a GPU both models would otherwise have to fit.
+        if not self.reaper.wait():
+            logger.warning("the previous iteration's objects are still being freed")
+        transport = pg.Transport(keep_ports=[self.host.port])
+        try:
+            with self.ledger.phase("pg_init"):
+                pg.form(
+                    self.client,
+                    prefix=self.keys.pg_prefix(iteration),
+                    rank=rank,
+                    world_size=world,
+                    backend=self.backend,
+                    timeout_s=self.config.pg_timeout_s,
+                    local_rank=self.env.local_rank,
+                )
+        except Exception as e:  # noqa: BLE001 - a group that cannot form is a fault like others
+            logger.exception("rank %d: forming the process group failed", rank)
+            transport.close()
+            pg.teardown(self.reaper, abort=True)
+            record = assign.ExitRecord(
+                member=self.member,
+                rank=rank,
+                kind=assign.PG_INIT,
+                detector="pg_init",
+                message=f"{type(e).__name__}: {e}"[:500],
+            )
+            return record, None, self._restart_begin(cause_kind=assign.PG_INIT)
+        self.ledger.mark()
+        ctx = RestartContext(
+            iteration=iteration,
+            cause=cause,
+            rank=rank,
+            world_size=world,
+            local_rank=self.env.local_rank,
+            member=self.member,
+            run_dir=self.env.run_dir,
+            ledger=self.ledger,
+            monitor=self.monitor,
+        )
+        self.monitor.arm(
+            Armed(
+                iteration=iteration,
+                keys=self.keys,
+                member=self.member,
+                rank=rank,
+                members=self.members,
+                transport=transport,
+            )
+        )
+        interrupts_before = self.interrupter.delivered
+        outcome = self.interrupter.invoke(self.fn, ctx)
+        detection, seq = self.monitor.fn_exited(outcome.error)
+        fatal = isinstance(outcome.error, (KeyboardInterrupt, SystemExit))
+        if detection is None:
+            record = assign.ExitRecord(
+                member=self.member, rank=rank, kind=assign.OK, last_step=ctx.last_step
+            )
+            return record, outcome.value, None
+        began = self._restart_begin(
+            cause_kind=detection.kind,
+            detector=detection.detector,
+            sockets_closed=transport.closed,
+            interrupts=self.interrupter.delivered - interrupts_before,
+        )
+        pg.teardown(self.reaper, abort=True)
+        error = outcome.error
+        if detection.origin and error is not None and not isinstance(error, RestartInterrupt):
+            # Logged on the reaper: formatting a traceback takes milliseconds.
+            self.reaper.call(functools.partial(_log_error, rank, error))
+        record = assign.ExitRecord(
+            member=self.member,
+            rank=rank,
+            kind=detection.kind,
+            detector=detection.detector,
+            seq=seq,
+            message=detection.message,
+            restore_point=ctx.first_step,
+            last_step=ctx.last_step,
+        )
+        if fatal:  # leave at once; tell the peers so that they need not wait for us
+            assert error is not None
+            try:
+                self.client.set(self.keys.exit(iteration, self.member), record.to_json())
+                self.client.set(self.keys.health(iteration, self.member), '{"ok": false}')
+            except (RuntimeError, dist.DistStoreError):
+                pass
+            raise error
+        # fn's frames (its model, its process group) die on the reaper, off this path.
+        self.reaper.drop((outcome, ctx))
+        self.reaper.call(self._collect)
+        del outcome, ctx, error
+        return record, None, began
+
+    def _collect(self) -> None:
+        """On the reaper, while the main thread waits for it: free the failed iteration, then
+        freeze what survives (modules fn imported lazily, ...), so that the next collection
+        only walks what the next iteration builds (~120k objects after FSDP's first use)."""
+        gc.collect()
+        if self.gc_frozen:
+            gc.freeze()
+
+    def _restart_begin(self, *, cause_kind: str, detector: str = "", **data: Any) -> float:
+        """Ledger: fn has stopped on this rank (data: how it was aborted)."""
+        self.ledger.emit(
+            ev.RESTART_BEGIN, layer="inprocess", cause=cause_kind, detector=detector, **data
+        )
+        return time.time()
+
+    # --- between iterations ------------------------------------------------------------------
+    def _agree(self, iteration: int, record: assign.ExitRecord) -> assign.Decision:
+        try:
+            return self.between.agree(
+                iteration=iteration, members=self.members, record=record, history=self.history
+            )
+        except RestartError:
+            raise
+        except (RuntimeError, dist.DistStoreError) as e:
+            self.ledger.emit(ev.ESCALATE, reason=f"coordination store failed: {e}")
+            raise Escalated(f"the coordination store failed between iterations: {e}") from e
+
+    # --- the end -----------------------------------------------------------------------------
+    def close(self) -> None:
+        if self.monitor is not None:
+            self.monitor.close()
+        if dist.is_initialized():
+            pg.teardown(self.reaper, abort=True)
+        self.reaper.call(gc.collect)  # the last iteration's groups (gloo threads, sockets)
+        self.reaper.close()
+        try:
+            self.between.leave(members=self.members, wait_for_others=self.host.server is not None)
+        except (RuntimeError, dist.DistStoreError) as e:
+            logger.warning("could not check out of the coordination store: %s", e)
+        finally:
+            del self.client
+            self.host.close()

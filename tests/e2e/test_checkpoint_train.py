@@ -1,0 +1,57 @@
+"""The reference training script with checkpoints: a run that stops, or is killed, and resumes
+from its checkpoint ends with the same final state hash as a run that never stopped."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from procs import final, run, train_cmd
+from unbroken.ledger import events as ev
+from unbroken.ledger import goodput, read_events
+
+pytestmark = pytest.mark.e2e
+
+
+def test_a_run_stopped_after_a_save_resumes_to_the_same_hash(tmp_path: Path) -> None:
+    plain = ["--parallel", "none"]
+    ref = run(train_cmd(tmp_path / "ref", nproc=None, steps=12, extra=plain), timeout_s=120)
+    assert ref.returncode == 0, ref.output[-3000:]
+    ckpt = [*plain, "--ckpt-every", "3", "--ckpt-mode", "sync"]
+    first = run(train_cmd(tmp_path / "run", nproc=None, steps=7, extra=ckpt), timeout_s=120)
+    assert first.returncode == 0, first.output[-3000:]
+    second = run(train_cmd(tmp_path / "run", nproc=None, steps=12, extra=ckpt), timeout_s=120)
+    assert second.returncode == 0, second.output[-3000:]
+    assert second.hashes() == ref.hashes()
+    assert final(tmp_path / "run")["losses"] == final(tmp_path / "ref")["losses"]
+    loads = [e for e in read_events(tmp_path / "run") if e.kind == ev.CKPT_LOAD]
+    assert [(e.get("tier"), e.get("step")) for e in loads] == [("none", None), ("disk", 5)]
+    steps = [e.get("step") for e in read_events(tmp_path / "run") if e.kind == ev.STEP]
+    assert steps == [*range(7), *range(6, 12)]
+
+
+def test_sigkill_under_torchrun_resumes_from_the_checkpoint(tmp_path: Path) -> None:
+    extra = ["--batch-size", "4"]
+    ref = run(train_cmd(tmp_path / "ref", nproc=2, steps=16, extra=extra), timeout_s=120)
+    assert ref.returncode == 0, ref.output[-3000:]
+    plan = tmp_path / "plan.yaml"
+    plan.write_text("faults:\n  - {step: 11, rank: 1, kind: sigkill}\n")
+    # on_busy=wait: the save at step 9 waits until step 7 is committed, and rank 1 cannot
+    # finish step 11 before rank 0 passed step 9 (every step all-reduces), so step 7, perhaps
+    # 9, is committed when rank 1 dies.
+    ckpt = ["--ckpt-every", "2", "--ckpt-on-busy", "wait", "--faults", str(plan)]
+    res = run(
+        train_cmd(tmp_path / "run", nproc=2, steps=16, extra=[*extra, *ckpt],
+                  torchrun_args=["--max-restarts", "1"]),
+        timeout_s=180,
+    )  # fmt: skip
+    assert res.returncode == 0, res.output[-3000:]
+    assert res.hashes() == ref.hashes() and len(res.hashes()) == 2
+    rep = goodput.compute(read_events(tmp_path / "run"))
+    assert len(rep.faults) == 1
+    fault = rep.faults[0]
+    assert fault.restore_tier == "disk" and fault.restored_step in (7, 9)
+    assert fault.steps_lost == 11 - fault.restored_step
+    assert rep.checkpoint_efficiency is not None and 0.0 < rep.checkpoint_efficiency <= 1.0
+    assert final(tmp_path / "run")["losses"] == final(tmp_path / "ref")["losses"]

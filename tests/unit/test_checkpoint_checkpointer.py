@@ -1,0 +1,250 @@
+"""The Checkpointer in one process with its real writer process, real files and fsync."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+from unbroken.checkpoint import Checkpointer, CheckpointError, PerRank, layout
+from unbroken.checkpoint import checkpointer as ckpt_mod
+from unbroken.ledger import Ledger, read_events
+from unbroken.ledger import events as ev
+
+
+class Cursor:
+    """A Stateful with plain values, like a data sampler."""
+
+    def __init__(self) -> None:
+        self.position = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"position": self.position, "tag": "cursor"}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.position = int(state["position"])
+
+
+def _model(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4))
+    return model, torch.optim.AdamW(model.parameters(), lr=0.05)
+
+
+def _train_step(model: torch.nn.Module, optim: torch.optim.Optimizer) -> None:
+    model(torch.randn(8, 32)).pow(2).sum().backward()
+    optim.step()
+    optim.zero_grad(set_to_none=True)
+
+
+def _snapshot(model: torch.nn.Module, optim: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    out = {f"m.{k}": v.detach().clone() for k, v in model.state_dict().items()}
+    for i, st in optim.state_dict()["state"].items():
+        out.update({f"o.{i}.{k}": torch.as_tensor(v).clone() for k, v in st.items()})
+    return out
+
+
+def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # the raw dcp.load below
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_checkpoint_holds_the_values_at_save_time(
+    tmp_path: Path, overlap: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if overlap:  # make the background copy slow, so only the optimizer hook protects it
+        real_copy = ckpt_mod.copy_into
+
+        def slow_copy(arena: Any, pairs: Any) -> None:
+            if threading.current_thread().name.startswith("unbroken-ckpt-stager"):
+                time.sleep(0.3)
+            real_copy(arena, pairs)
+
+        monkeypatch.setattr(ckpt_mod, "copy_into", slow_copy)
+    led = Ledger(tmp_path, run="t", rank=0)
+    model, optim = _model(0)
+    cursor, extra = Cursor(), torch.arange(6.0)
+    state = {"model": model, "optim": optim, "data": cursor, "extra": extra}
+    _train_step(model, optim)
+    with Checkpointer(tmp_path / "ckpt", ledger=led, overlap=overlap) as ck:
+        cursor.position = 40
+        expected = _snapshot(model, optim)
+        assert ck.save(7, state)
+        # Training goes on at once: every value changes right after save returns.
+        _train_step(model, optim)
+        extra.add_(100.0)
+        cursor.position = 41
+        assert not _same(_snapshot(model, optim), expected)
+        ck.wait()
+        assert ck.latest() == 7
+        stats = ck.stats()
+    assert stats.saves == 1 and stats.committed == 1 and len(stats.persist_s) == 1
+
+    model2, optim2 = _model(1)
+    cursor2, extra2 = Cursor(), torch.zeros(6)
+    with Checkpointer(tmp_path / "ckpt", ledger=led, eager_writer=False) as ck:
+        step = ck.restore({"model": model2, "optim": optim2, "data": cursor2, "extra": extra2})
+        assert ck.writer_pid is None  # a restore-only Checkpointer starts no writer
+    led.close()
+    assert step == 7
+    assert _same(_snapshot(model2, optim2), expected)
+    assert cursor2.position == 40 and torch.equal(extra2, torch.arange(6.0))
+
+    # The directory is a plain DCP checkpoint.
+    plain = {"model": {k: torch.zeros_like(v) for k, v in model.state_dict().items()}}
+    dcp.load(plain, checkpoint_id=layout.step_dir(tmp_path / "ckpt", 7), no_dist=True)
+    assert all(torch.equal(plain["model"][k], expected[f"m.{k}"]) for k in plain["model"])
+
+    kinds = [e.kind for e in read_events(tmp_path)]
+    for kind in (ev.CKPT_STAGE, ev.CKPT_PERSIST, ev.CKPT_COMMIT, ev.CKPT_LOAD):
+        assert kind in kinds, kind
+    stage = next(e for e in read_events(tmp_path) if e.kind == ev.CKPT_STAGE)
+    assert stage.get("step") == 7 and stage.get("bytes") > 0 and stage.get("staging_bytes") > 0
+    assert stage.get("rss_bytes") > 0 and stage.get("queue_depth") == 0
+    load = next(e for e in read_events(tmp_path) if e.kind == ev.CKPT_LOAD)
+    assert (load.get("step"), load.get("tier")) == (7, "disk")
+
+
+def test_skip_policy_drops_a_save_while_one_persists_and_wait_blocks(tmp_path: Path) -> None:
+    led = Ledger(tmp_path, run="t", rank=0)
+    big = {"w": torch.randn(1 << 20)}  # 4 MiB at 8 MB/s: ~0.5 s to persist
+    with Checkpointer(tmp_path / "skip", ledger=led, throttle_mbps=8.0) as ck:
+        assert ck.save(1, big)
+        assert not ck.save(2, big)  # still persisting step 1
+        ck.wait()
+        assert ck.stats().skipped == 1 and ck.latest() == 1
+    with Checkpointer(tmp_path / "wait", ledger=led, throttle_mbps=8.0, on_busy="wait") as ck:
+        assert ck.save(1, big)
+        assert ck.save(2, big)
+        stats = ck.stats()
+        ck.wait()
+        assert layout.committed_steps(tmp_path / "wait") == [2, 1]
+    led.close()
+    assert stats.skipped == 0 and stats.stall_s[1] > 0.2  # waited for step 1, as blocking
+    skips = [e for e in read_events(tmp_path) if e.kind == ev.CKPT_SKIP]
+    assert [(e.get("step"), "step 1" in e.get("reason")) for e in skips] == [(2, True)]
+    waited = [e for e in read_events(tmp_path) if e.kind == ev.CKPT_STAGE and e.get("step") == 2]
+    assert (
+        waited and waited[-1].get("wait_s") > 0.2 and waited[-1].dur_s >= waited[-1].get("wait_s")
+    )
+
+
+def test_writer_death_is_raised_within_a_second_never_an_endless_wait(tmp_path: Path) -> None:
+    led = Ledger(tmp_path, run="t", rank=0)
+    state = {"w": torch.randn(1 << 20)}
+    ck = Checkpointer(tmp_path / "ckpt", ledger=led, throttle_mbps=2.0)
+    try:
+        ck.save(1, state)  # ~2 s to persist: in flight when its writer dies
+        pid = ck.writer_pid
+        assert pid is not None
+        time.sleep(0.2)
+        t0 = time.monotonic()
+        os.kill(pid, signal.SIGKILL)
+        with pytest.raises(CheckpointError, match=r"killed by SIGKILL.*step 1 is lost"):
+            ck.wait()
+        assert time.monotonic() - t0 < 1.0
+        with pytest.raises(CheckpointError, match="SIGKILL"):  # and on every later call
+            ck.save(2, state)
+    finally:
+        ck.abort()
+    led.close()
+    fails = [e for e in read_events(tmp_path) if e.kind == ev.CKPT_FAIL]
+    assert fails and fails[0].get("step") == 1
+    assert layout.committed_steps(tmp_path / "ckpt") == []
+
+
+def test_stalled_storage_is_reported_and_the_older_checkpoint_survives(tmp_path: Path) -> None:
+    led = Ledger(tmp_path, run="t", rank=0)
+    ck = Checkpointer(tmp_path / "ckpt", ledger=led, throttle_mbps=1.0, persist_timeout_s=0.5)
+    try:
+        small = {"w": torch.arange(1000.0)}
+        ck.save(1, small)
+        ck.wait()
+        ck.save(2, {"w": torch.randn(2 << 20)})  # the arena grows; 8 MB at 1 MB/s: stalls
+        t0 = time.monotonic()
+        with pytest.raises(CheckpointError, match="not durable after 0.5 s"):
+            ck.wait()
+        assert time.monotonic() - t0 < 1.5
+    finally:
+        ck.abort()
+    led.close()
+    assert any(e.kind == ev.CKPT_FAIL and e.get("step") == 2 for e in read_events(tmp_path))
+    assert layout.committed_steps(tmp_path / "ckpt") == [1]
+    assert layout.verify(layout.step_dir(tmp_path / "ckpt", 1)) is None
+
+
+def test_a_flipped_byte_falls_back_to_the_previous_checkpoint(tmp_path: Path) -> None:
+    led = Ledger(tmp_path, run="t", rank=0)
+    w = torch.zeros(4096)
+    with Checkpointer(tmp_path / "ckpt", ledger=led, mode="sync", keep=3) as ck:
+        for step in (1, 2, 3):
+            w.fill_(step)
+            ck.save(step, {"w": w, "rng": PerRank({"seed": torch.tensor([step])})})
+    assert layout.committed_steps(tmp_path / "ckpt") == [3, 2, 1]
+    data = layout.step_dir(tmp_path / "ckpt", 3) / layout.data_file(0)
+    raw = bytearray(data.read_bytes())
+    raw[len(raw) // 2] ^= 0x40
+    data.write_bytes(raw)
+    seed = {"seed": torch.tensor([0])}
+    with Checkpointer(tmp_path / "ckpt", ledger=led, eager_writer=False) as ck:
+        assert ck.restore({"w": w, "rng": PerRank(seed)}) == 2
+    led.close()
+    assert torch.equal(w, torch.full((4096,), 2.0)) and int(seed["seed"]) == 2
+    assert layout.committed_steps(tmp_path / "ckpt") == [2, 1]  # 3 moved out of sight
+    assert [n.split(".")[1][:8] for n in os.listdir(tmp_path / "ckpt") if "3" in n] == ["rejected"]
+    load = next(e for e in read_events(tmp_path) if e.kind == ev.CKPT_LOAD)
+    assert load.get("rejected") == [3]
+    fail = next(e for e in read_events(tmp_path) if e.kind == ev.CKPT_FAIL)
+    assert fail.get("step") == 3 and "checksum mismatch" in fail.get("error")
+
+
+def test_retention_and_nothing_to_restore(tmp_path: Path) -> None:
+    w = torch.ones(10)
+    with Checkpointer(tmp_path / "ckpt", mode="sync", keep=2) as ck:
+        assert ck.restore({"w": w}) is None and ck.latest() is None
+        for step in range(4):
+            ck.save(step, {"w": w})
+    assert layout.committed_steps(tmp_path / "ckpt") == [3, 2]
+    assert sorted(os.listdir(tmp_path / "ckpt")) == ["step-2", "step-3"]
+
+
+def test_bad_state_is_rejected_with_what_to_do(tmp_path: Path) -> None:
+    with Checkpointer(tmp_path / "ckpt") as ck:
+        with pytest.raises(ValueError, match="expected an nn.Module"):
+            ck.save(0, {"n": 3})
+        with pytest.raises(ValueError, match="need exactly one module"):
+            ck.save(0, {"o": _model(0)[1]})
+
+
+def test_the_resolve_cache_gives_what_dcp_gives_and_relearns(tmp_path: Path) -> None:
+    from unbroken.checkpoint.resolve import ResolveCache, resolve_for_save
+
+    def items(state: dict[str, Any], cache: ResolveCache | None) -> list[tuple]:
+        r = resolve_for_save(state, rank=0, world_size=1, overlap=True, cache=cache)
+        return [
+            (i.write_item.index.fqn, i.payload,
+             None if i.tensor is None else (i.tensor.data_ptr(), i.tensor.shape), i.background)
+            for i in r.items
+        ]  # fmt: skip
+
+    model, optim = _model(0)
+    _train_step(model, optim)
+    state: dict[str, Any] = {"model": model, "optim": optim}
+    cache = ResolveCache()
+    for _ in range(3):  # learn, then the fast path twice
+        assert items(state, cache) == items(state, None)
+        _train_step(model, optim)
+    optim.param_groups[0]["lr"] = 0.01  # a changed value is serialized afresh
+    assert items(state, cache) == items(state, None)
+    state["optim"] = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    _train_step(model, state["optim"])  # a new optimizer object: relearned
+    assert items(state, cache) == items(state, None)
+    assert items(state, cache) == items(state, None)

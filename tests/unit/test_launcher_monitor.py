@@ -1,0 +1,150 @@
+"""Heartbeats: the worker client over real UDP, and the tracker's deadlines on a scripted clock."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+
+from unbroken import env as uenv
+from unbroken.launcher import client
+from unbroken.launcher.monitor import (
+    AUTO_MIN_STEADY_SAMPLES,
+    HeartbeatServer,
+    HeartbeatTracker,
+    Observed,
+)
+
+
+def tracker(**kw: object) -> HeartbeatTracker:
+    args: dict = {
+        "enabled": True,
+        "initial_timeout_s": 10.0,
+        "steady_timeout_s": 2.0,
+        "heartbeat_interval_s": 0.1,
+    }
+    args.update(kw)
+    return HeartbeatTracker(**args)
+
+
+def hb(
+    lr: int,
+    *,
+    step: int | None = None,
+    round_: int = 0,
+    pid: int = 100,
+    committed: int | None = None,
+) -> dict:
+    return {"lr": lr, "round": round_, "pid": pid + lr, "step": step, "committed": committed}
+
+
+def test_initial_timeout_applies_once_the_job_has_heartbeated() -> None:
+    t = tracker()
+    t.begin_round(0, {0: (0, 100), 1: (1, 101)}, now=0.0)
+    assert t.next_deadline() is None and t.overdue(1000.0) == []  # may never heartbeat
+    assert t.record(hb(0, step=0), now=5.0) is True
+    assert t.record(hb(0, step=1), now=5.5) is False
+    assert t.next_deadline() == pytest.approx(7.5)  # rank 0 steady; rank 1 initial at 10
+    t.record(hb(0, step=2), now=9.95)
+    (hang,) = t.overdue(10.0)
+    assert (hang.rank, hang.phase, hang.timeout_s) == (1, "initial", 10.0)
+    t.begin_round(1, {0: (0, 200), 1: (1, 201)}, now=20.0)  # the job is known to heartbeat
+    assert t.next_deadline() == pytest.approx(30.0)
+
+
+def test_steady_timeout_and_co_suspects() -> None:
+    t = tracker()
+    t.begin_round(0, {0: (0, 100), 1: (1, 101), 2: (2, 102)}, now=0.0)
+    t.record(hb(0, step=5), now=1.0)
+    t.record(hb(1, step=5), now=1.6)
+    t.record(hb(2, step=5), now=2.95)
+    assert t.overdue(2.9) == []
+    hangs = t.overdue(3.0)  # rank 0 is 2 s silent; rank 1 1.4 s (> half the timeout)
+    assert [(h.rank, h.phase, h.last_step) for h in hangs] == [(0, "steady", 5), (1, "steady", 5)]
+    t.forget(0)
+    assert [h.rank for h in t.overdue(3.0)] == []
+
+
+def test_stale_and_foreign_heartbeats_are_ignored() -> None:
+    t = tracker()
+    t.begin_round(3, {0: (0, 100)}, now=0.0)
+    assert t.record(hb(0, step=9, round_=2), now=1.0) is False
+    assert t.record(hb(0, step=9, round_=3, pid=555), now=1.0) is False
+    assert t.record(hb(7, step=9, round_=3), now=1.0) is False
+    assert t.progress is None and not t.all_heartbeated()
+    assert t.record(hb(0, step=9, round_=3), now=1.0) is True
+    assert t.all_heartbeated() and t.progress == 9
+
+
+def test_progress_prefers_committed_steps() -> None:
+    t = tracker()
+    t.begin_round(0, {0: (0, 100)}, now=0.0)
+    t.record(hb(0, step=12), now=1.0)
+    assert t.progress == 12
+    t.record(hb(0, step=13, committed=10), now=2.0)
+    assert t.progress == 10
+
+
+def test_disabled_tracker_never_reports_hangs() -> None:
+    t = tracker(enabled=False)
+    t.begin_round(0, {0: (0, 100)}, now=0.0)
+    t.record(hb(0, step=1), now=1.0)
+    assert t.overdue(1e6) == [] and t.next_deadline() is None and t.progress == 1
+
+
+def test_automatic_timeouts_shrink_to_observed_gaps_times_the_factor(tmp_path: Path) -> None:
+    t = tracker(
+        auto_timeouts=True, auto_timeout_factor=4.0, steady_timeout_s=60.0, initial_timeout_s=100.0
+    )
+    t.begin_round(0, {0: (0, 100)}, now=0.0)
+    t.record(hb(0, step=0), now=3.0)
+    assert t.effective_initial_s() == pytest.approx(12.0)
+    for i in range(AUTO_MIN_STEADY_SAMPLES):
+        assert t.effective_steady_s() == 60.0
+        t.record(hb(0, step=i + 1), now=3.0 + 0.25 * (i + 1))
+    assert t.effective_steady_s() == pytest.approx(1.0)
+    state = tmp_path / "launcher" / "heartbeats.json"
+    t.observed.save(state)
+    Observed(steady_gap_max_s=0.5, steady_samples=3).save(state)  # another agent: merged
+    loaded = Observed.load(state)
+    assert loaded.job_heartbeats and loaded.steady_gap_max_s == pytest.approx(0.5)
+    assert loaded.steady_samples == AUTO_MIN_STEADY_SAMPLES and loaded.initial_max_s == 3.0
+    assert Observed.load(tmp_path / "missing.json") == Observed()
+
+
+def test_client_sends_datagrams_the_server_reads(monkeypatch: pytest.MonkeyPatch) -> None:
+    server = HeartbeatServer()
+    try:
+        monkeypatch.setenv(uenv.UNBROKEN_HEARTBEAT_ADDR, server.addr)
+        monkeypatch.setenv(uenv.RANK, "3")
+        monkeypatch.setenv(uenv.LOCAL_RANK, "1")
+        monkeypatch.setenv(uenv.UNBROKEN_ROUND, "2")
+        monkeypatch.setenv(uenv.UNBROKEN_HEARTBEAT_INTERVAL_S, "60")
+        client.reset()
+        client.heartbeat(7)
+        client.heartbeat(7)  # same step within the interval: dropped
+        client.heartbeat(8, committed_step=4)
+        client.heartbeat()  # no new step within the interval: dropped
+        deadline = time.monotonic() + 5
+        got: list[dict] = []
+        while len(got) < 2 and time.monotonic() < deadline:
+            got += server.drain()
+            time.sleep(0.01)
+        time.sleep(0.05)
+        got += server.drain()
+        assert [(m["rank"], m["lr"], m["round"], m["step"], m["committed"]) for m in got] == [
+            (3, 1, 2, 7, None),
+            (3, 1, 2, 8, 4),
+        ]
+    finally:
+        client.reset()
+        server.close()
+
+
+def test_client_is_a_cheap_no_op_outside_the_launcher(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(uenv.UNBROKEN_HEARTBEAT_ADDR, raising=False)
+    client.reset()
+    client.heartbeat(1)
+    assert client._get() is None
+    client.reset()

@@ -1,0 +1,102 @@
+"""The watchdog's decisions, driven by a fake clock."""
+
+from __future__ import annotations
+
+from unbroken.restart import RestartConfig
+from unbroken.restart.watchdog import (
+    EXIT_TIMEOUT,
+    HANG,
+    KILL,
+    NONE,
+    RESTART,
+    STUCK,
+    Watchdog,
+)
+
+CFG = RestartConfig(
+    soft_timeout_s=1.0,
+    hard_timeout_s=3.0,
+    initial_soft_timeout_s=10.0,
+    initial_hard_timeout_s=20.0,
+    exit_timeout_s=2.0,
+    barrier_timeout_s=30.0,
+    monitor_interval_s=0.01,
+)
+
+
+def armed(now: float = 0.0) -> Watchdog:
+    w = Watchdog(CFG)
+    w.arm(now)
+    return w
+
+
+def test_quiet_when_disarmed_or_progressing() -> None:
+    w = Watchdog(CFG)
+    assert w.evaluate(100.0, silent_s=100.0).action == NONE
+    w = armed()
+    w.progress(0.5, step=True)
+    assert w.evaluate(1.4, silent_s=0.0).action == NONE
+
+
+def test_initial_timeouts_apply_until_the_first_step() -> None:
+    w = armed()
+    assert w.evaluate(9.0, silent_s=0.0).action == NONE
+    assert w.evaluate(10.5, silent_s=0.0).action == RESTART
+    w.progress(10.6, step=False)  # a heartbeat is not a step
+    assert w.evaluate(12.0, silent_s=0.0).action == NONE
+    w.progress(12.0, step=True)
+    assert w.evaluate(13.1, silent_s=0.0).action == RESTART
+
+
+def test_hang_versus_stuck_by_whether_python_runs() -> None:
+    w = armed()
+    w.progress(0.0, step=True)
+    v = w.evaluate(1.2, silent_s=0.0)
+    assert (v.action, v.kind, v.main_state) == (RESTART, HANG, "python")
+    v = w.evaluate(1.2, silent_s=1.2)
+    assert (v.action, v.kind, v.main_state) == (RESTART, STUCK, "native")
+    assert "no progress for 1.200s" in v.describe()
+
+
+def test_hard_timeout_kills() -> None:
+    w = armed()
+    w.progress(0.0, step=True)
+    assert w.evaluate(3.5, silent_s=3.5).action == KILL
+    assert w.deadline() == 3.0
+
+
+def test_after_a_request_fn_must_exit_within_the_exit_timeout() -> None:
+    w = armed()
+    w.progress(0.0, step=True)
+    w.requested(0.5)
+    assert w.evaluate(2.0, silent_s=2.0).action == NONE  # no second restart
+    assert w.deadline() == 2.5
+    v = w.evaluate(2.6, silent_s=2.6)
+    assert (v.action, v.kind) == (KILL, EXIT_TIMEOUT)
+
+
+def test_no_hang_protection_suspends_both_timeouts_and_restarts_the_clock() -> None:
+    w = armed()
+    w.progress(0.0, step=True)
+    w.protect(0.5, enter=True)
+    w.protect(0.6, enter=True)
+    assert w.evaluate(50.0, silent_s=50.0).action == NONE
+    assert w.deadline() is None
+    w.protect(50.0, enter=False)
+    assert w.evaluate(60.0, silent_s=0.0).action == NONE
+    w.protect(60.0, enter=False)
+    assert w.evaluate(60.9, silent_s=0.0).action == NONE
+    assert w.evaluate(61.1, silent_s=0.0).action == RESTART
+    w.requested(61.1)
+    w.protect(61.2, enter=True)  # a requested restart is still enforced
+    assert w.evaluate(63.2, silent_s=0.0).action == KILL
+
+
+def test_suspect_owns_up_to_a_hang_before_the_verdict() -> None:
+    w = armed()
+    w.progress(0.0, step=True)
+    assert w.suspect(0.4, silent_s=0.0) is None
+    assert w.suspect(0.6, silent_s=0.0) == HANG
+    assert w.suspect(0.6, silent_s=0.6) == STUCK
+    w.requested(0.7)
+    assert w.suspect(0.8, silent_s=0.0) is None
