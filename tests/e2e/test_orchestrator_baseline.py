@@ -68,3 +68,24 @@ def test_config_is_validated() -> None:
         OrchestratorConfig(restart_delay_s=10, max_delay_s=1)
     with pytest.raises(ValueError, match="nproc"):
         OrchestratorConfig(nproc=0)
+
+
+def test_a_hang_ends_by_the_survivors_collective_timeout(tmp_path: Path) -> None:
+    plan = tmp_path / "plan.yaml"
+    plan.write_text("faults:\n  - {step: 2, rank: 0, kind: hang}\n")
+    run_dir = tmp_path / "job"
+    cfg = OrchestratorConfig(
+        nproc=2, restart_delay_s=0.1, collective_timeout_s=1.0, job_timeout_s=240
+    )
+    res = run_orchestrated(
+        train_command(
+            [*ARGS, "--run-dir", str(run_dir), "--faults", str(plan), "--pg-timeout-s", "2"]
+        ),
+        run_dir=run_dir,
+        cfg=cfg,
+    )
+    assert res.returncode == 0, res.output[-3000:]
+    assert res.launches == 2  # rank 1 timed out, the hung rank 0 was torn down, one relaunch
+    [fault] = goodput.compute(read_events(run_dir)).faults
+    assert fault.kind == "hang" and fault.layer == "orchestrator"
+    assert fault.detection_s is not None and fault.detection_s >= 2.0  # the collective timeout

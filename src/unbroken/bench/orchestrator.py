@@ -155,7 +155,7 @@ def run_orchestrated(
             procs = [p for p, _ in launched]
             failed_at = None
             first_fail: tuple[int, int] | None = None
-            while any(p.poll() is None for p in procs):
+            while [p.poll() for p in procs].count(None):  # poll every rank, no short-circuit
                 if time.monotonic() > deadline:
                     _kill(procs)
                     raise TimeoutError(f"emulated job exceeded {cfg.job_timeout_s}s")

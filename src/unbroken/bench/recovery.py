@@ -169,12 +169,16 @@ def _run_unbroken(
     killer = threading.Timer(a.job_timeout_s, lambda: os.killpg(proc.pid, signal.SIGKILL))
     killer.start()
     lines = []
+    shown = ""
     try:
         assert proc.stdout is not None
         for line in proc.stdout:  # progress while it runs: steps, faults, restarts
             lines.append(line)
             if _PROGRESS.search(line):
-                print(f"   {line.rstrip()[-110:]}", flush=True)
+                msg = line.rstrip().split("] ", 1)[-1][:110]  # drop the logging prefix
+                if msg != shown:  # every rank logs a restart: show it once
+                    print(f"   {line[11:19]} {msg}", flush=True)
+                    shown = msg
         proc.wait()
     finally:
         killer.cancel()
