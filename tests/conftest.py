@@ -3,33 +3,25 @@
 from __future__ import annotations
 
 import os
+import sys
 import threading
 import time
 from pathlib import Path
 
 import pytest
 
-
-def _children(pid: int) -> list[int]:
-    out = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[1]) == pid and fields[0] != "Z":
-            out.append(int(stat.parent.name))
-    return out
+sys.path.insert(0, str(Path(__file__).parent))
+from procs import children  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
 def no_leaks():
-    before_children = set(_children(os.getpid()))
+    before_children = set(children(os.getpid()))
     before_threads = {t.ident for t in threading.enumerate()}
     yield
     deadline = time.monotonic() + 5.0
     while True:
-        leaked = set(_children(os.getpid())) - before_children
+        leaked = set(children(os.getpid())) - before_children
         threads = [
             t
             for t in threading.enumerate()
@@ -42,9 +34,3 @@ def no_leaks():
         time.sleep(0.05)
     assert not leaked, f"test leaked child processes {sorted(leaked)}"
     assert not threads, f"test leaked threads {[t.name for t in threads]}"
-
-
-def pytest_configure(config: pytest.Config) -> None:
-    import sys
-
-    sys.path.insert(0, str(Path(__file__).parent))

@@ -125,3 +125,16 @@ def unbroken_run_cmd(
         *script,
         *extra,
     ]
+
+
+def children(pid: int) -> list[int]:
+    """Live (non-zombie) child processes of ``pid``, from /proc."""
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid and fields[0] != "Z":
+            out.append(int(stat.parent.name))
+    return out

@@ -15,11 +15,20 @@ pytestmark = pytest.mark.e2e
 ARGS = ["--steps", "8", "--seq-len", "32", "--batch-size", "4"]
 
 
-def test_sigkill_relaunches_the_whole_job_and_matches_a_clean_run(tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def clean_hash(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """final_state_sha256 of the same job without faults."""
     ref = run(
-        train_cmd(tmp_path / "ref", nproc=2, steps=8, extra=["--batch-size", "4"]), timeout_s=120
+        train_cmd(tmp_path_factory.mktemp("ref"), nproc=2, steps=8, extra=["--batch-size", "4"]),
+        timeout_s=120,
     )
     assert ref.returncode == 0, ref.output[-3000:]
+    return ref.hashes()[0]
+
+
+def test_sigkill_relaunches_the_whole_job_and_matches_a_clean_run(
+    tmp_path: Path, clean_hash: str
+) -> None:
     plan = tmp_path / "plan.yaml"
     plan.write_text(
         "faults:\n  - {step: 3, rank: 1, kind: sigkill}\n  - {step: 5, rank: 0, kind: exception}\n"
@@ -35,7 +44,7 @@ def test_sigkill_relaunches_the_whole_job_and_matches_a_clean_run(tmp_path: Path
     )
     assert res.returncode == 0, res.output[-3000:]
     assert res.launches == 3
-    assert final(run_dir)["final_state_sha256"] == ref.hashes()[0]
+    assert final(run_dir)["final_state_sha256"] == clean_hash
     rep = goodput.compute(read_events(run_dir))
     assert [(f.kind, f.layer) for f in rep.faults] == [
         ("sigkill", "orchestrator"),
@@ -70,7 +79,7 @@ def test_config_is_validated() -> None:
         OrchestratorConfig(nproc=0)
 
 
-def test_a_hang_ends_by_the_survivors_collective_timeout(tmp_path: Path) -> None:
+def test_a_hang_ends_by_the_survivors_collective_timeout(tmp_path: Path, clean_hash: str) -> None:
     plan = tmp_path / "plan.yaml"
     plan.write_text("faults:\n  - {step: 2, rank: 0, kind: hang}\n")
     run_dir = tmp_path / "job"
@@ -86,6 +95,7 @@ def test_a_hang_ends_by_the_survivors_collective_timeout(tmp_path: Path) -> None
     )
     assert res.returncode == 0, res.output[-3000:]
     assert res.launches == 2  # rank 1 timed out, the hung rank 0 was torn down, one relaunch
+    assert final(run_dir)["final_state_sha256"] == clean_hash
     [fault] = goodput.compute(read_events(run_dir)).faults
     assert fault.kind == "hang" and fault.layer == "orchestrator"
     assert fault.detection_s is not None and fault.detection_s >= 2.0  # the collective timeout

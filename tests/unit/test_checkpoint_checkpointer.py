@@ -118,9 +118,11 @@ def test_skip_policy_drops_a_save_while_one_persists_and_wait_blocks(tmp_path: P
     big = {"w": torch.randn(1 << 20)}  # 4 MiB at 8 MB/s: ~0.5 s to persist
     with Checkpointer(tmp_path / "skip", ledger=led, throttle_mbps=8.0) as ck:
         assert ck.save(1, big)
+        assert ck.last_committed is None  # staged, not yet durable
         assert not ck.save(2, big)  # still persisting step 1
         ck.wait()
         assert ck.stats().skipped == 1 and ck.latest() == 1
+        assert ck.last_committed == 1  # what the launcher's no-progress guard is told
     with Checkpointer(tmp_path / "wait", ledger=led, throttle_mbps=8.0, on_busy="wait") as ck:
         assert ck.save(1, big)
         assert ck.save(2, big)

@@ -24,9 +24,12 @@ import threading
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: procs
+
 import torch
 import torch.distributed as dist
 
+from procs import children  # noqa: E402
 from unbroken import restart
 from unbroken.env import WorkerEnv
 from unbroken.faults import FaultInjector, FaultPlan, load_plan
@@ -252,7 +255,7 @@ def main() -> int:
         "iterations": iterations,
         "world": world,
         "threads": [t.name for t in threading.enumerate() if t.name.startswith("unbroken-r")],
-        "children": _children(),
+        "children": children(os.getpid()),
         "pg_initialized": dist.is_initialized(),
     }
     if digest is not None:
@@ -265,19 +268,6 @@ def main() -> int:
     sys.stdout.flush()
     ledger.close()
     return code
-
-
-def _children() -> list[int]:
-    me = os.getpid()
-    out = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[1]) == me and fields[0] != "Z":
-            out.append(int(stat.parent.name))
-    return out
 
 
 if __name__ == "__main__":

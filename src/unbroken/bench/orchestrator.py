@@ -147,8 +147,7 @@ def run_orchestrated(
     consecutive = 0
     try:
         while True:
-            ledger.set_context()
-            ledger.attempt = attempt
+            ledger.set_context(attempt=attempt)
             if attempt:
                 ledger.emit(ev.RESTART_END, layer="orchestrator", emulated=True)
             launched = _launch(cmd, cfg, attempt, run_id, log_dir)

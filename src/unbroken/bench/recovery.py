@@ -225,6 +225,8 @@ class ConfigResult:
     label: str
     returncode: int
     figures: dict[str, Any] = field(default_factory=dict)
+    view: RunView | None = None
+    """The run's events and report, for the HTML page (None when it left no ledger)."""
     final_state_sha256: str | None = None
     matches_clean: bool | None = None
 
@@ -312,7 +314,9 @@ def run_bench(a: argparse.Namespace) -> list[ConfigResult]:
             clean_hash
         )
         try:
-            res.figures = goodput.compute(read_events(run_dir)).to_dict()
+            events = read_events(run_dir)
+            report = goodput.compute(events)
+            res.figures, res.view = report.to_dict(), RunView(name, report, events)
         except (FileNotFoundError, ValueError) as e:
             logger.error("%s: no figures: %s", name, e)
         print(
@@ -404,13 +408,7 @@ def main(a: argparse.Namespace) -> int:
     if a.json:
         Path(a.json).write_text(json.dumps(rows, indent=2) + "\n")
     html_path = Path(a.html or Path(a.out) / "report.html")
-    views = []
-    for r in results:
-        run_dir = Path(a.out) / r.config
-        if r.figures:
-            views.append(
-                RunView(r.config, goodput.compute(read_events(run_dir)), read_events(run_dir))
-            )
+    views = [r.view for r in results if r.view is not None]
     if views:
         html_path.write_text(render(views, title="unbroken recovery benchmark"))
         print(f"\nHTML report: {html_path.resolve()}")

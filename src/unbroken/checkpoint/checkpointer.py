@@ -143,6 +143,8 @@ class Checkpointer:
         self._slots: list[Slot] = []
         self._inflight: _Inflight | None = None
         self._last_step: int | None = None
+        self.last_committed: int | None = None
+        """Newest step this Checkpointer saw committed (rank 0 only: it commits), else None."""
         self._fatal: str | None = None
         self._fatal_raised = False
         self._errors: list[str] = []
@@ -473,6 +475,7 @@ class Checkpointer:
                 path=msg["path"],
                 removed=msg["removed"],
             )
+            self.last_committed = step
             self._finish(inflight, "committed")
         elif kind == "abandoned":
             self._stats.skipped += 1

@@ -95,10 +95,14 @@ class Ledger:
         atexit.register(self.close)
 
     # --- context -----------------------------------------------------------------------------
-    def set_context(self, *, rank: int | None = None, iteration: int | None = None) -> None:
-        """Change the rank or in-process iteration stamped on later records."""
+    def set_context(
+        self, *, rank: int | None = None, attempt: int | None = None, iteration: int | None = None
+    ) -> None:
+        """Change the rank, launcher attempt or in-process iteration stamped on later records."""
         if rank is not None:
             self.rank = rank
+        if attempt is not None:
+            self.attempt = attempt
         if iteration is not None:
             self.iteration = iteration
 

@@ -207,7 +207,6 @@ def train(args: argparse.Namespace, env: WorkerEnv, ledger: Ledger, run_dir: Pat
     device = _device(args.device, env)
 
     def once(ctx: Any) -> str:
-        ctx.add_step_hook(heartbeat)
         ctx.add_step_hook(injector.on_step)
         return train_once(ctx, args, ledger, run_dir, device=device, global_batch=global_batch)
 
@@ -277,6 +276,11 @@ def train_once(
             "progress": progress,
         }
         ckpt = _checkpointer(args, run_dir, ledger)
+        # The launcher's heartbeat carries the newest committed step: its no-progress guard
+        # counts restarts without a new commit.
+        ctx.add_step_hook(
+            lambda s: heartbeat(s, committed_step=None if ckpt is None else ckpt.last_committed)
+        )
         start = 0
         if ckpt is not None:
             restored = ckpt.restore(state)
