@@ -66,8 +66,13 @@ def _cmd_faults_show(args: argparse.Namespace) -> int:
         print(f"{args.plan}: no faults")
         return 0
     print(f"{args.plan}: {len(plan)} fault(s), in firing order")
+    width = max(len(f.kind) for f in plan.faults)
     for f in plan.faults:
-        print(f"  after step {f.step:>5} on rank {f.rank:>3}: {f.kind:<15} {KINDS[f.kind]}")
+        settings = f.settings()
+        shown = ", ".join(f"{k}={v}" for k, v in settings.items() if v is not None)
+        print(f"  after step {f.step:>5} on rank {f.rank:>3}: {f.kind:<{width}} {KINDS[f.kind]}")
+        if shown:
+            print(f"  {'':>29}{'':<{width}} ({shown})")
     return 0
 
 

@@ -69,6 +69,8 @@ class WorkerEnv:
     """True when the launcher hosts the store at MASTER_ADDR:MASTER_PORT (connect as client)."""
     run_dir: Path | None
     """Run directory handed down by ``unbroken-run``."""
+    agent_pid: int | None = None
+    """Pid of the ``unbroken-run`` agent that started this worker (None outside it)."""
 
     def __post_init__(self) -> None:
         if self.world_size < 1:
@@ -102,6 +104,7 @@ class WorkerEnv:
             run_id=e.get(UNBROKEN_RUN_ID) or e.get(RUN_ID) or None,
             use_agent_store=e.get(USE_AGENT_STORE) == "True",
             run_dir=Path(run_dir) if run_dir else None,
+            agent_pid=_int(e, UNBROKEN_AGENT_PID, 0) or None,
         )
 
 
@@ -119,3 +122,5 @@ UNBROKEN_HEARTBEAT_INTERVAL_S = "UNBROKEN_HEARTBEAT_INTERVAL_S"
 """Least seconds between two heartbeat datagrams of one worker (unless its step changed)."""
 UNBROKEN_STORE_ADDR = "UNBROKEN_STORE_ADDR"
 """host:port of an agent-hosted TCPStore that lives for the whole job (coordination store)."""
+UNBROKEN_AGENT_PID = "UNBROKEN_AGENT_PID"
+"""Pid of the node's agent: what a ``node-loss`` fault kills with every process below it."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import threading
 import time
 from pathlib import Path
@@ -250,3 +251,36 @@ def test_the_resolve_cache_gives_what_dcp_gives_and_relearns(tmp_path: Path) -> 
     _train_step(model, state["optim"])  # a new optimizer object: relearned
     assert items(state, cache) == items(state, None)
     assert items(state, cache) == items(state, None)
+
+
+@pytest.mark.parametrize("start", ["fork", "spawn"])
+def test_either_writer_start_saves_and_restores(tmp_path: Path, start: str) -> None:
+    model, optim = _model(0)
+    _train_step(model, optim)
+    with Checkpointer(tmp_path / "ckpt", writer_start=start) as ck:
+        ck.save(3, {"model": model, "optim": optim})
+        ck.wait()
+    want = _snapshot(model, optim)
+    model2, optim2 = _model(1)
+    _train_step(model2, optim2)
+    with Checkpointer(tmp_path / "ckpt", eager_writer=False) as ck:
+        assert ck.restore({"model": model2, "optim": optim2}) == 3
+    assert _same(_snapshot(model2, optim2), want)
+
+
+def test_a_forked_writer_holds_none_of_the_trainers_connections(tmp_path: Path) -> None:
+    """A fork inherits every descriptor; a writer keeping the trainer's peer or store sockets
+    open would hide the trainer's close from its peers (no EOF). The child must drop them."""
+    mine, peer = socket.socketpair()
+    with Checkpointer(tmp_path / "ckpt", writer_start="fork") as ck:
+        pid = ck.writer_pid
+        assert pid is not None and pid != os.getpid()
+        ck.save(0, {"w": torch.arange(10.0)})
+        ck.wait()  # the writer serves: it is past dropping what it inherited
+        mine.close()
+        peer.settimeout(5.0)
+        assert peer.recv(1) == b""  # EOF: no copy of `mine` lives on in the writer
+        targets = [os.readlink(f"/proc/{pid}/fd/{n}") for n in os.listdir(f"/proc/{pid}/fd")]
+        assert sum(t.startswith("socket:") for t in targets) == 1  # its own, to the trainer
+    peer.close()
+    assert layout.committed_steps(tmp_path / "ckpt") == [0]

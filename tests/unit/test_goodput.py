@@ -91,7 +91,7 @@ def test_plain_run():
     for name in ("reexecuted", "detection", "recovery", "checkpoint_save", "checkpoint_load"):
         assert r.badput_s[name] == 0.0
     assert r.ettr == approx(10 / 11.5)
-    assert r.infra_goodput == 1.0
+    assert r.infra_goodput == r.availability == 1.0
     assert r.checkpoint_efficiency == 1.0  # loop of 10 s, no save
     assert r.loop_s == approx(10.0)
     assert r.faults == []
@@ -200,7 +200,8 @@ def test_fault_with_rollback():
     assert b["checkpoint_load"] == approx(0.5)
     assert b["other"] == approx(0.5)  # [17, 17.5]
     assert r.training_goodput == approx(10 / 17.5)
-    assert r.infra_goodput == approx(1 - 2.0 / 17.5)  # downtime [10, 12]
+    assert r.infra_goodput == approx(1 - 1.8 / 17.5)  # detection to resume: [10.2, 12]
+    assert r.availability == approx(1 - 2.0 / 17.5)  # fault to resume: [10, 12]
     assert r.ettr == approx(10 / (17.5 - 1.0))  # only the first launch's import is excluded
     assert r.loop_s == approx(8.0 + 5.0)
     assert r.checkpoint_efficiency == 1.0
@@ -321,7 +322,7 @@ def test_natural_fault():
     assert r.badput_s["other"] == approx(0.5)  # [5, 5.5]: before anyone noticed
     assert r.badput_s["detection"] == 0.0
     assert r.productive_s == approx(7.0)
-    assert r.infra_goodput == approx(1 - 1.0 / 8.5)
+    assert r.infra_goodput == r.availability == approx(1 - 1.0 / 8.5)
 
 
 def test_fault_never_resumed():
@@ -342,7 +343,8 @@ def test_fault_never_resumed():
     assert f.detection_s == approx(0.3)
     assert f.layer == "launcher"  # from the restart, the detection named none
     assert f.restore_tier == "memory" and f.restored_step == 3
-    assert r.infra_goodput == approx(1 - 3.0 / 8.0)  # [5, t1]
+    assert r.infra_goodput == approx(1 - 2.7 / 8.0)  # [5.3, t1]
+    assert r.availability == approx(1 - 3.0 / 8.0)  # [5, t1]
     assert r.badput_s["detection"] == approx(0.3)
     assert r.badput_s["checkpoint_load"] == approx(0.5)
     assert r.badput_s["recovery"] == approx(2.7 - 0.5)  # [5.3, 8] less the load
@@ -371,7 +373,8 @@ def test_overlapping_faults_use_union():
     assert a.layer == b.layer == "launcher"
     assert a.downtime_s == approx(2.0) and b.downtime_s == approx(1.5)
     assert a.recovery_s == approx(3.0) and b.recovery_s == approx(2.5)
-    assert r.infra_goodput == approx(1 - 2.0 / 9.0)  # union [5, 7], not 3.5 s
+    assert r.infra_goodput == approx(1 - 1.8 / 9.0)  # union [5.2, 7], not 3.0 s
+    assert r.availability == approx(1 - 2.0 / 9.0)  # union [5, 7], not 3.5 s
     assert r.badput_s["detection"] == approx(0.2 + 0.3)
     assert r.badput_s["recovery"] == approx(0.3 + 1.2)  # [5.2, 5.5] and [5.8, 7]
     assert r.recovery_s_median == approx(2.75) and r.recovery_s_max == approx(3.0)
@@ -507,6 +510,7 @@ def test_to_dict_is_plain_json():
     for key in (
         "training_goodput",
         "infra_goodput",
+        "availability",
         "checkpoint_efficiency",
         "ettr",
         "wall_s",

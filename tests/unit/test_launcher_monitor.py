@@ -66,6 +66,22 @@ def test_steady_timeout_and_co_suspects() -> None:
     assert [h.rank for h in t.overdue(3.0)] == []
 
 
+def test_a_finishing_worker_gets_the_initial_timeout_not_the_steady_one() -> None:
+    """Past the last step the final save's commit and the exit are no step: a worker slower
+    than the steady timeout there is not hung (measured: killed at exit, a wasted round)."""
+    t = tracker()
+    t.begin_round(0, {0: (0, 100), 1: (1, 101)}, now=0.0)
+    t.record(hb(0, step=9), now=1.0)
+    t.record(hb(1, step=9), now=1.0)
+    t.record({**hb(0, step=9), "fin": True}, now=1.5)
+    hangs = t.overdue(3.5)  # rank 1 is 2.5 s silent mid-training; rank 0 is finishing
+    assert [(h.rank, h.phase) for h in hangs] == [(1, "steady")]
+    t.forget(1)
+    assert t.overdue(11.0) == []
+    (hang,) = t.overdue(11.5)  # finishing still has a deadline: the initial timeout
+    assert (hang.rank, hang.phase, hang.timeout_s) == (0, "finishing", 10.0)
+
+
 def test_stale_and_foreign_heartbeats_are_ignored() -> None:
     t = tracker()
     t.begin_round(3, {0: (0, 100)}, now=0.0)
@@ -126,17 +142,17 @@ def test_client_sends_datagrams_the_server_reads(monkeypatch: pytest.MonkeyPatch
         client.heartbeat(7)  # same step within the interval: dropped
         client.heartbeat(8, committed_step=4)
         client.heartbeat()  # no new step within the interval: dropped
+        client.heartbeat(8, committed_step=4, finishing=True)  # a new phase: sent at once
         deadline = time.monotonic() + 5
         got: list[dict] = []
-        while len(got) < 2 and time.monotonic() < deadline:
+        while len(got) < 3 and time.monotonic() < deadline:
             got += server.drain()
             time.sleep(0.01)
         time.sleep(0.05)
         got += server.drain()
-        assert [(m["rank"], m["lr"], m["round"], m["step"], m["committed"]) for m in got] == [
-            (3, 1, 2, 7, None),
-            (3, 1, 2, 8, 4),
-        ]
+        assert [
+            (m["rank"], m["lr"], m["round"], m["step"], m["committed"], m.get("fin")) for m in got
+        ] == [(3, 1, 2, 7, None, None), (3, 1, 2, 8, 4, None), (3, 1, 2, 8, 4, True)]
     finally:
         client.reset()
         server.close()

@@ -99,6 +99,7 @@ def test_to_json_round_trip():
     for key in (
         "training_goodput",
         "infra_goodput",
+        "availability",
         "checkpoint_efficiency",
         "ettr",
         "wall_s",

@@ -11,6 +11,11 @@ Labelled an emulation everywhere it is reported. What it does, per the published
   resumes from its last checkpoint.
 Every transition is written to the run's ledger (rank -1, layer "orchestrator"), so the
 baseline's figures come from the same goodput code as ours.
+
+``run_node`` is the same emulation around a job that has its own recovery (``unbroken-run``):
+it only steps in where Kubernetes would, when the node itself is lost (a ``node-loss`` fault
+killed the launcher agent and everything under it), and relaunches the node's launcher after
+the pod-restart delay; the job resumes from its last committed checkpoint on disk.
 """
 
 from __future__ import annotations
@@ -22,12 +27,14 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from unbroken import env as envnames
+from unbroken.faults import fired_faults
 from unbroken.ledger import Ledger
 from unbroken.ledger import events as ev
 
@@ -201,6 +208,113 @@ def run_orchestrated(
             attempt += 1
     finally:
         ledger.close()
+
+
+def _run_streaming(
+    cmd: Sequence[str],
+    *,
+    env: dict[str, str] | None,
+    timeout_s: float,
+    on_line: Callable[[str], None] | None,
+) -> tuple[int, str]:
+    """Run ``cmd`` in its own session to its end (killed with its group after ``timeout_s``),
+    passing each output line to ``on_line``; (returncode, output)."""
+    proc = subprocess.Popen(
+        list(cmd),
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+
+    def kill_group() -> None:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, signal.SIGKILL)
+
+    killer = threading.Timer(max(0.0, timeout_s), kill_group)
+    killer.start()
+    lines = []
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.append(line)
+            if on_line is not None:
+                on_line(line)
+        proc.wait()
+    finally:
+        killer.cancel()
+        kill_group()  # stragglers of the session, if any
+        if proc.stdout is not None:
+            proc.stdout.close()
+        proc.wait()
+    return proc.returncode, "".join(lines)
+
+
+def run_node(
+    cmd: Sequence[str],
+    *,
+    run_dir: Path,
+    cfg: OrchestratorConfig,
+    env: dict[str, str] | None = None,
+    on_line: Callable[[str], None] | None = None,
+    run_id: str | None = None,
+) -> OrchestratorResult:
+    """Run one node's launcher (``cmd``: ``unbroken-run ...`` writing its faults under
+    ``run_dir``) as Kubernetes runs the node's pod. When the launcher dies of a signal after a
+    ``node-loss`` fault fired (the node went away, with the launcher's own recovery), the pod is
+    relaunched after ``cfg.restart_delay_s`` (doubling per consecutive loss, capped at
+    ``cfg.max_delay_s``; at most ``cfg.max_restarts`` times). Any other ending is final: the
+    launcher recovers everything else itself. ``cfg.nproc`` and ``collective_timeout_s`` are
+    not used; ``cfg.job_timeout_s`` bounds all launches together.
+
+    Ledger (rank -1, layer "orchestrator", ``emulated``), only when a node is lost:
+    ``fault_detected`` (cause "node-loss", detector "orchestrator") at the launcher's exit,
+    ``restart_begin`` with the delay, ``restart_end`` as the next launch starts."""
+    run_id = run_id or run_dir.name
+    deadline = time.monotonic() + cfg.job_timeout_s
+    ledger: Ledger | None = None
+    outputs: list[str] = []
+    handled = 0  # node-loss faults already answered with a relaunch
+    attempt = consecutive = 0
+    try:
+        while True:
+            if ledger is not None:
+                ledger.set_context(attempt=attempt)
+                ledger.emit(ev.RESTART_END, layer="orchestrator", emulated=True)
+            code, out = _run_streaming(
+                cmd, env=env, timeout_s=deadline - time.monotonic(), on_line=on_line
+            )
+            exit_ts = time.time()
+            outputs.append(out)
+            lost = [r for r in fired_faults(run_dir) if r.get("kind") == "node-loss"]
+            if code >= 0 or len(lost) <= handled or time.monotonic() >= deadline:
+                return OrchestratorResult(code, attempt + 1, "".join(outputs))
+            fault, handled = lost[handled], len(lost)
+            if ledger is None:
+                ledger = Ledger(run_dir, run=run_id, rank=ev.LAUNCHER_RANK, attempt=attempt)
+            ledger.emit(
+                ev.FAULT_DETECTED,
+                ts=exit_ts,
+                cause="node-loss",
+                detector="orchestrator",
+                layer="orchestrator",
+                fault_rank=fault.get("rank"),
+                exit_code=code,
+                emulated=True,
+            )
+            if attempt >= cfg.max_restarts:
+                ledger.emit(ev.JOB_END, status="failed", launches=attempt + 1, emulated=True)
+                return OrchestratorResult(code, attempt + 1, "".join(outputs))
+            delay = min(cfg.max_delay_s, cfg.restart_delay_s * (2**consecutive))
+            ledger.emit(ev.RESTART_BEGIN, layer="orchestrator", delay_s=delay, emulated=True)
+            logger.info("node lost: emulated pod restart in %.2fs", delay)
+            time.sleep(delay)
+            consecutive += 1
+            attempt += 1
+    finally:
+        if ledger is not None:
+            ledger.close()
 
 
 def _cause(code: int) -> str:

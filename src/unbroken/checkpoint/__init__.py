@@ -2,8 +2,8 @@
 
 Owns: resolving a training state into DCP write items (``resolve``), the shared staging arena
 (``arena``), the persistent per-rank writer process (``writer``, ``client``, ``protocol``), the
-on-disk layout, commit protocol and retention (``layout``, ``commit``), and restore
-(``restore``). ``Checkpointer`` (``checkpointer``) ties them together.
+on-disk layout, commit protocol and retention (``layout``, ``commit``), restore
+(``restore``), and the slow-storage fault's control files the writer obeys (``throttle``). ``Checkpointer`` (``checkpointer``) ties them together.
 
 Imports torch, ``unbroken.ledger`` (event kinds) and ``unbroken.errors``; nothing else of ours.
 Names are loaded lazily so that the writer process (``python -m unbroken.checkpoint.writer``)

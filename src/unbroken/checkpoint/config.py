@@ -38,6 +38,10 @@ class CheckpointConfig:
     eager_writer: bool = True
     """Start the writer process with the Checkpointer, so that it imports torch (seconds)
     while the trainer builds and restores; False: at the first save (restore-only use)."""
+    writer_start: str = "auto"
+    """How the writer process starts: "fork" (of the trainer: ready in milliseconds, torch is
+    already loaded), "spawn" (a fresh interpreter that imports torch: seconds, competing with
+    training for the cores), "auto": fork where the trainer has torch loaded."""
     writer_start_timeout_s: float = 300.0
     """The writer process must be ready (it imports torch) this long after it was started;
     the persist timeout of a save counts from the later of staging and writer ready."""
@@ -67,6 +71,10 @@ class CheckpointConfig:
         if self.writer_start_timeout_s <= 0:
             raise ValueError(
                 f"writer_start_timeout_s must be > 0, got {self.writer_start_timeout_s}"
+            )
+        if self.writer_start not in ("auto", "fork", "spawn"):
+            raise ValueError(
+                f"writer_start must be 'auto', 'fork' or 'spawn', got {self.writer_start!r}"
             )
         if not 0 <= self.writer_nice <= 19:
             raise ValueError(f"writer_nice must be in [0, 19], got {self.writer_nice}")

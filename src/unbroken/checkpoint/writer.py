@@ -32,7 +32,7 @@ import zlib
 from pathlib import Path
 from typing import Any
 
-from unbroken.checkpoint import layout, protocol  # neither imports torch
+from unbroken.checkpoint import layout, protocol, throttle  # none imports torch
 
 logger = logging.getLogger("unbroken.checkpoint.writer")
 
@@ -161,7 +161,10 @@ class Writer:
     def pause(self, point: str) -> None:
         if self.pause_at != f"{point}@{self.step}":
             return
-        (self.root / f".paused-{point}").write_text(str(os.getpid()))
+        marker = self.root / f".paused-{point}"
+        tmp = marker.with_name(f"{marker.name}.tmp-{os.getpid()}")
+        tmp.write_text(str(os.getpid()))
+        os.replace(tmp, marker)  # whole: a watcher may read it the moment it exists
         while True:
             time.sleep(1.0)
 
@@ -194,6 +197,7 @@ class Writer:
                 "write_s": record["write_s"],
                 "fsync_s": record["fsync_s"],
                 "rss_bytes": _rss_bytes(),
+                "throttle_bytes_per_s": record["throttle_bytes_per_s"],
             }
         )
         if self.rank != 0:
@@ -245,11 +249,12 @@ class Writer:
             (part / stale).unlink(missing_ok=True)  # of an earlier, interrupted save
         check()
         entries = self.layouts[msg["layout_id"]]
+        rate = self._rate()
         name = layout.data_file(self.rank)
         fd = os.open(part / name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         t0 = time.monotonic()
         try:
-            stream = ChecksumWriter(fd, bytes_per_s=self.args.throttle_bytes_per_s, check=check)
+            stream = ChecksumWriter(fd, bytes_per_s=rate, check=check)
             items, results = [], []
 
             def add(wi: Any, offset: int) -> None:
@@ -294,7 +299,31 @@ class Writer:
             "files": {name: layout.file_entry(stream.pos, stream.crc)},
         }
         layout.write_durable(part / layout.done_record(self.rank), pickle.dumps(record))
-        return {"bytes": stream.pos, "write_s": t1 - t0, "fsync_s": t2 - t1}
+        return {
+            "bytes": stream.pos,
+            "write_s": t1 - t0,
+            "fsync_s": t2 - t1,
+            "throttle_bytes_per_s": rate,
+        }
+
+    def _rate(self) -> float:
+        """This save's write-rate cap in bytes/s (0: none): the configured one, lowered by any
+        slow-storage fault in force (read at the start of every save)."""
+        rate = float(self.args.throttle_bytes_per_s)
+        try:
+            slow = throttle.save_rate(self.root, rank=self.rank, now=time.time())
+        except OSError as e:
+            logger.warning("cannot read the slow-storage control files: %s", e)
+            slow = None
+        if slow is not None:
+            logger.warning(
+                "rank %d: storage slowed to %.2f MB/s by a slow-storage fault (step %d)",
+                self.rank,
+                slow / 1e6,
+                self.step,
+            )
+            rate = slow if rate <= 0 else min(rate, slow)
+        return rate
 
 
 def _rss_bytes() -> int:

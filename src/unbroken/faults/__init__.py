@@ -4,7 +4,7 @@ Owns the plan format (YAML) and the injectors that fire it. Imports nothing else
 ledger is passed in as an event sink.
 """
 
-from unbroken.faults.inject import FaultInjector, InjectedFault
+from unbroken.faults.inject import FaultInjector, InjectedFault, fired_faults
 from unbroken.faults.plan import KINDS, FaultPlan, FaultSpec, load_plan, parse_plan
 
 __all__ = [
@@ -13,6 +13,7 @@ __all__ = [
     "FaultPlan",
     "FaultSpec",
     "InjectedFault",
+    "fired_faults",
     "load_plan",
     "parse_plan",
 ]

@@ -4,6 +4,11 @@ Once-per-run: before a fault fires, its claim file ``<run_dir>/faults/fired/<ind
 created exclusively (``O_EXCL``) and fsynced with its directory, so a restarted worker (a new
 process or a new in-process iteration) sees it and does not fire again, even when the fault
 killed the machine's page cache along with the process.
+
+The ``fault_injected`` record is flushed before anything lethal. A kind that changes state
+first (``checkpoint-corruption``: the bytes it flipped; ``node-loss``: who dies) records what
+it did in that record; a kind that ends no process (``slow-storage``) says ``disruptive:
+false``, so that goodput opens no outage for it.
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ import time
 from pathlib import Path
 from typing import Any, Protocol
 
-from unbroken.faults import oom
+from unbroken.faults import node, oom, storage
 from unbroken.faults.plan import FaultPlan, FaultSpec
 
 logger = logging.getLogger(__name__)
@@ -42,8 +47,26 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def fired_faults(run_dir: str | os.PathLike[str]) -> list[dict[str, Any]]:
+    """The claim records of the faults fired in this run (index, step, rank, kind, ts, pid),
+    by index; for whoever watches a run from outside (an orchestrator relaunching a node)."""
+    out = []
+    for p in (Path(run_dir) / "faults" / "fired").glob("*.json"):
+        try:
+            out.append(json.loads(p.read_text()))
+        except (OSError, ValueError):  # a claim being written: its fault has not fired yet
+            continue
+    return sorted(out, key=lambda r: int(r.get("index", -1)))
+
+
 class FaultInjector:
-    """Fires the faults of ``plan`` that target ``rank``."""
+    """Fires the faults of ``plan`` that target ``rank``.
+
+    ``ckpt_dir`` is the checkpoint directory the storage faults act on (default
+    ``<run_dir>/ckpt``); ``agent_pid`` the launcher agent a ``node-loss`` kills with its tree
+    (unbroken-run hands it to workers as ``UNBROKEN_AGENT_PID``; None: this process's parent
+    when it is a recognisable launcher, else only this process).
+    """
 
     def __init__(
         self,
@@ -52,10 +75,17 @@ class FaultInjector:
         run_dir: str | os.PathLike[str],
         rank: int,
         sink: EventSink | None = None,
+        ckpt_dir: str | os.PathLike[str] | None = None,
+        agent_pid: int | None = None,
+        corruption_settle_s: float = 10.0,
     ) -> None:
         self.plan = plan
         self.rank = rank
         self.sink = sink
+        self.ckpt_dir = Path(ckpt_dir) if ckpt_dir is not None else Path(run_dir) / "ckpt"
+        self.agent_pid = agent_pid
+        self.corruption_settle_s = corruption_settle_s
+        """How long a checkpoint-corruption waits for saves in flight to commit first."""
         self.fired_dir = Path(run_dir) / "faults" / "fired"
         self.fired_dir.mkdir(parents=True, exist_ok=True)
 
@@ -93,14 +123,33 @@ class FaultInjector:
 
     def _fire(self, spec: FaultSpec) -> None:
         logger.warning("injecting fault %s", spec.describe())
+        extra: dict[str, Any] = {}
+        victims: node.Node | None = None
+        if spec.kind == "oom-kill":
+            extra["mechanism"] = oom.mechanism()
+        elif spec.kind == "slow-storage":
+            extra = self._slow_storage(spec)
+        elif spec.kind == "checkpoint-corruption":
+            extra = self._corrupt(spec)
+        elif spec.kind == "node-loss":
+            victims = node.find_node(self.agent_pid)
+            extra = {"scope": victims.scope, "agent_pid": victims.agent_pid, "pids": victims.pids}
+            if victims.how:
+                extra["found_by"] = victims.how
+        if not spec.disruptive:
+            extra["disruptive"] = False
         if self.sink is not None:
-            extra: dict[str, Any] = (
-                {"mechanism": oom.mechanism()} if spec.kind == "oom-kill" else {}
-            )
-            self.sink.emit(
-                "fault_injected", fault=spec.kind, step=spec.step, index=spec.index, **extra
-            )
-            self.sink.flush()
+            try:
+                self.sink.emit(
+                    "fault_injected", fault=spec.kind, step=spec.step, index=spec.index, **extra
+                )
+                self.sink.flush()
+            except BaseException:
+                if victims is not None:  # its agent is stopped: never leave it so
+                    node.lose(victims)
+                raise
+        if spec.kind == "slow-storage":
+            return  # nothing dies: training goes on over slow storage
         if spec.kind == "exception":
             raise InjectedFault(f"injected fault {spec.describe()}")
         if spec.kind == "sigkill":
@@ -117,11 +166,54 @@ class FaultInjector:
             _segfault()
         elif spec.kind == "oom-kill":
             oom.oom_kill(int(spec.params.get("limit_mb", 256)))
+        elif spec.kind == "checkpoint-corruption":
+            os.kill(os.getpid(), signal.SIGKILL)
+        elif spec.kind == "node-loss":
+            assert victims is not None
+            node.lose(victims)
         else:  # pragma: no cover - FaultSpec validates kinds
             raise AssertionError(spec.kind)
         # A signal handler may have returned (sigterm with a handler that does not exit);
         # give the signal a moment to take effect, as a real fault would.
         time.sleep(1.0)
+
+    def _slow_storage(self, spec: FaultSpec) -> dict[str, Any]:
+        cfg = spec.settings()
+        targets = spec.targets()
+        out: dict[str, Any] = {
+            "mbps": cfg["mbps"],
+            "saves": cfg["saves"],
+            "seconds": cfg["seconds"],
+            "ranks": "all" if targets is None else targets,
+        }
+        if not self.ckpt_dir.is_dir():
+            out["control"] = None
+            out["reason"] = f"no checkpoint directory {self.ckpt_dir}: nothing to slow down"
+            return out
+        path = storage.write_slow_control(
+            self.ckpt_dir,
+            index=spec.index,
+            ranks=targets,
+            bytes_per_s=cfg["mbps"] * 1e6,
+            saves=cfg["saves"],
+            seconds=cfg["seconds"],
+        )
+        out["control"] = str(path)
+        return out
+
+    def _corrupt(self, spec: FaultSpec) -> dict[str, Any]:
+        target = spec.settings()["target"]
+        try:
+            out = storage.corrupt_newest(
+                self.ckpt_dir, rank=self.rank, target=target, settle_s=self.corruption_settle_s
+            )
+        except OSError as e:  # record it and crash anyway: the restart still has to happen
+            out = {"target": target, "file": None, "reason": f"corruption failed: {e}"}
+        if out.get("file") is None:
+            logger.warning("checkpoint-corruption: %s", out.get("reason"))
+        else:
+            logger.warning("checkpoint-corruption: flipped bytes of %s", out["file"])
+        return out
 
 
 def _hang() -> None:

@@ -8,7 +8,13 @@ A plan is YAML (or the equivalent dict)::
 
 Each entry fires once per run, after the given rank completes the given step (in the step hook,
 before that step's checkpoint), even across restarts. Extra keys of an entry are
-kind-specific parameters and are kept in ``params``.
+kind-specific parameters and are kept in ``params``; the kinds in ``PARAMS`` accept only the
+parameters listed there (checked when the plan is parsed), ``FaultSpec.settings()`` fills in
+their defaults::
+
+      - {step: 20, rank: 0, kind: slow-storage, mbps: 2, saves: 3, ranks: all}
+      - {step: 40, rank: 1, kind: checkpoint-corruption, target: manifest}
+      - {step: 60, rank: 1, kind: node-loss}
 
 A seeded random schedule expands deterministically into entries (added to any listed ones)::
 
@@ -49,7 +55,95 @@ KINDS: dict[str, str] = {
         "uses and grows until the kernel's OOM killer ends it; where no cgroup can be made, "
         "emulated (grow, then SIGKILL) and recorded so"
     ),
+    "slow-storage": (
+        "from this step on, checkpoint writes of the rank (of every rank with ranks: all) are "
+        "throttled to mbps MB/s (default 5) for its next saves saves (default 3) or for seconds "
+        "s; training goes on, saves due meanwhile are skipped, nothing restarts"
+    ),
+    "checkpoint-corruption": (
+        "flip bytes in the middle of the newest committed checkpoint's data file of the rank "
+        "(target: manifest - its manifest), fsync, then SIGKILL: restore must reject it and "
+        "fall back to the previous checkpoint"
+    ),
+    "node-loss": (
+        "the whole node dies at once: SIGKILL to the launcher agent (unbroken-run or torchrun), "
+        "its warm pool, every worker and checkpoint writer; the orchestrator must relaunch it"
+    ),
 }
+
+NON_DISRUPTIVE = frozenset({"slow-storage"})
+"""Kinds that end no process: nothing restarts, so goodput counts no outage for them (their
+``fault_injected`` record says ``disruptive: false``)."""
+
+CORRUPTION_TARGETS = ("data", "manifest")
+
+# kind -> {parameter: (default, what it takes)}; kinds listed here accept no other parameter.
+PARAMS: dict[str, dict[str, tuple[Any, str]]] = {
+    "slow-storage": {
+        "mbps": (5.0, "a number > 0 (MB/s)"),
+        "saves": (3, "an integer >= 1 (saves throttled; the default unless seconds is given)"),
+        "seconds": (None, "a number > 0 (seconds throttled, instead of saves)"),
+        "ranks": (None, "'all' or a list of ranks (default: the fault's rank)"),
+    },
+    "checkpoint-corruption": {
+        "target": ("data", f"one of {', '.join(CORRUPTION_TARGETS)}"),
+    },
+    "node-loss": {},
+}
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _param_error(where: str, name: str, value: Any, kind: str) -> ValueError:
+    what = PARAMS[kind][name][1]
+    return ValueError(f"{where}: {name} must be {what}, got {value!r}; fix it or leave it out")
+
+
+def _check_params(kind: str, params: Mapping[str, Any], *, where: str) -> None:
+    """Raise ValueError naming the bad parameter of a kind listed in PARAMS."""
+    if kind not in PARAMS:
+        return
+    allowed = PARAMS[kind]
+    unknown = sorted(set(params) - set(allowed))
+    if unknown:
+        takes = ", ".join(allowed) if allowed else "no parameters"
+        raise ValueError(
+            f"{where}: unknown parameter(s) {unknown} for {kind}; it takes {takes}: "
+            "remove or rename them"
+        )
+    if kind == "slow-storage":
+        if "mbps" in params and not (_number(params["mbps"]) and params["mbps"] > 0):
+            raise _param_error(where, "mbps", params["mbps"], kind)
+        saves = params.get("saves")
+        if "saves" in params and not (
+            isinstance(saves, int) and not isinstance(saves, bool) and saves >= 1
+        ):
+            raise _param_error(where, "saves", saves, kind)
+        if "seconds" in params and not (_number(params["seconds"]) and params["seconds"] > 0):
+            raise _param_error(where, "seconds", params["seconds"], kind)
+        if "saves" in params and "seconds" in params:
+            raise ValueError(
+                f"{where}: give saves (how many saves are slow) or seconds (for how long), not both"
+            )
+        ranks = params.get("ranks")
+        if (
+            "ranks" in params
+            and ranks != "all"
+            and not (
+                isinstance(ranks, list)
+                and ranks
+                and all(isinstance(r, int) and not isinstance(r, bool) and r >= 0 for r in ranks)
+            )
+        ):
+            raise _param_error(where, "ranks", ranks, kind)
+    elif (
+        kind == "checkpoint-corruption"
+        and "target" in params
+        and params["target"] not in CORRUPTION_TARGETS
+    ):
+        raise _param_error(where, "target", params["target"], kind)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -76,6 +170,34 @@ class FaultSpec:
             raise ValueError(f"fault #{self.index}: step must be >= 0, got {self.step}")
         if self.rank < 0:
             raise ValueError(f"fault #{self.index}: rank must be >= 0, got {self.rank}")
+        _check_params(self.kind, self.params, where=f"fault #{self.index} ({self.kind})")
+
+    @property
+    def disruptive(self) -> bool:
+        """False for kinds that end no process (see NON_DISRUPTIVE)."""
+        return self.kind not in NON_DISRUPTIVE
+
+    def settings(self) -> dict[str, Any]:
+        """The parameters with their defaults filled in (kinds in PARAMS), else ``params``."""
+        if self.kind not in PARAMS:
+            return dict(self.params)
+        out = {
+            name: self.params.get(name, default) for name, (default, _) in PARAMS[self.kind].items()
+        }
+        if self.kind == "slow-storage":
+            if "seconds" in self.params:
+                out["saves"] = None
+            if out["ranks"] is None:
+                out["ranks"] = [self.rank]
+            out["mbps"] = float(out["mbps"])
+        return out
+
+    def targets(self) -> list[int] | None:
+        """Every rank the fault acts on (None: every rank of the world)."""
+        if self.kind == "slow-storage":
+            ranks = self.settings()["ranks"]
+            return None if ranks == "all" else sorted(set(ranks))
+        return [self.rank]
 
     def describe(self) -> str:
         extra = "".join(f" {k}={v}" for k, v in sorted(self.params.items()))
@@ -95,11 +217,12 @@ class FaultPlan:
     def check_world(self, world_size: int) -> None:
         """Raise ValueError if a fault targets a rank outside the world."""
         for f in self.faults:
-            if f.rank >= world_size:
-                raise ValueError(
-                    f"fault {f.describe()} targets rank {f.rank}, but the world has "
-                    f"{world_size} ranks; fix the plan or the world size"
-                )
+            for rank in [f.rank, *(f.targets() or [])]:
+                if rank >= world_size:
+                    raise ValueError(
+                        f"fault {f.describe()} targets rank {rank}, but the world has "
+                        f"{world_size} ranks; fix the plan or the world size"
+                    )
 
     def __len__(self) -> int:
         return len(self.faults)
@@ -187,15 +310,17 @@ def parse_plan(obj: Any, *, source: str = "plan", world_size: int | None = None)
                     f"{source}: fault #{i}: {key} must be an integer, got {entry[key]!r}"
                 )
         params = {k: v for k, v in entry.items() if k not in _REQUIRED}
-        specs.append(
-            FaultSpec(
+        try:
+            spec = FaultSpec(
                 index=i,
                 step=entry["step"],
                 rank=entry["rank"],
                 kind=str(entry["kind"]),
                 params=params,
             )
-        )
+        except ValueError as e:
+            raise ValueError(f"{source}: {e}") from None
+        specs.append(spec)
     if "random" in obj:
         for entry in _expand_random(obj["random"], source=source, world_size=world_size):
             specs.append(FaultSpec(index=len(specs), **entry))

@@ -41,11 +41,14 @@ class _Client:
         self.last_sent = float("-inf")
         self.last_step: int | None = None
         self.last_committed: int | None = None
+        self.finishing = False
 
-    def send(self, step: int | None, committed_step: int | None) -> None:
+    def send(self, step: int | None, committed_step: int | None, finishing: bool = False) -> None:
         now = time.monotonic()
-        changed = (step is not None and step != self.last_step) or (
-            committed_step is not None and committed_step != self.last_committed
+        changed = (
+            (step is not None and step != self.last_step)
+            or (committed_step is not None and committed_step != self.last_committed)
+            or finishing != self.finishing
         )
         if not changed and now - self.last_sent < self.interval_s:
             return
@@ -59,11 +62,14 @@ class _Client:
             "committed": committed_step,
             "ts": time.time(),
         }
+        if finishing:
+            msg["fin"] = True
         try:
             self.sock.sendto(json.dumps(msg, separators=(",", ":")).encode(), self.addr)
         except OSError:  # agent gone, buffer full, ICMP refusal: the agent will notice by itself
             return
         self.last_sent = now
+        self.finishing = finishing
         if step is not None:
             self.last_step = step
         if committed_step is not None:
@@ -103,15 +109,19 @@ def _get() -> _Client | None:
     return _client
 
 
-def heartbeat(step: int | None = None, *, committed_step: int | None = None) -> None:
+def heartbeat(
+    step: int | None = None, *, committed_step: int | None = None, finishing: bool = False
+) -> None:
     """Tell the node agent this worker is alive (and at ``step``); cheap, never raises.
 
     Call after a training step completes; ``committed_step`` is the newest step whose
-    checkpoint is durable, if any.
+    checkpoint is durable, if any. Call with ``finishing=True`` once the last step is done:
+    the wait for the final checkpoint and the exit then get the initial timeout, not the
+    steady one (which is sized for steps).
     """
     client = _get()
     if client is not None:
-        client.send(step, committed_step)
+        client.send(step, committed_step, finishing)
 
 
 def reset() -> None:

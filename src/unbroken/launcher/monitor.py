@@ -79,7 +79,8 @@ class Hang:
     timeout_s: float
     """The timeout it exceeded."""
     phase: str
-    """"initial" (no heartbeat yet this round) or "steady"."""
+    """"initial" (no heartbeat yet this round), "steady", or "finishing" (past the last step:
+    the initial timeout applies)."""
     last_step: int | None
 
 
@@ -91,6 +92,7 @@ class _Worker:
     first: float | None = None
     last: float | None = None
     last_step: int | None = None
+    finishing: bool = False
 
 
 @dataclass
@@ -205,10 +207,11 @@ class HeartbeatTracker:
             self.observed.job_heartbeats = True
             self.observed.initial_max_s = max(self.observed.initial_max_s, now - w.start)
             self.observed.initial_samples += 1
-        elif w.last is not None:
+        elif w.last is not None and not w.finishing:
             self.observed.steady_gap_max_s = max(self.observed.steady_gap_max_s, now - w.last)
             self.observed.steady_samples += 1
         w.last = now
+        w.finishing = w.finishing or msg.get("fin") is True
         step, committed = msg.get("step"), msg.get("committed")
         if isinstance(step, int):
             w.last_step = step
@@ -229,6 +232,9 @@ class HeartbeatTracker:
 
     # --- deadlines ---------------------------------------------------------------------------
     def _deadline(self, w: _Worker) -> tuple[float, float, str] | None:
+        if w.last is not None and w.finishing:
+            t = self.effective_initial_s()
+            return w.last + t, t, "finishing"
         if w.last is not None:
             t = self.effective_steady_s()
             return w.last + t, t, "steady"

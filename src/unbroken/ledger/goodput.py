@@ -23,7 +23,11 @@ Steps
 
 Faults (one walk over the events in order)
     * ``fault_injected`` opens a fault: time = its ``ts``, rank = its rank, kind = ``fault``,
-      step = ``step``, injected.
+      step = ``step``, injected. One with ``disruptive: false`` (a fault that ends no process,
+      e.g. slow storage) is recorded but never opened: zero downtime (``downtime_s`` = 0,
+      ``steps_lost`` = 0, ``recovery_s`` and ``detection_s`` None), no detection or restart
+      attaches to it; its effect is ``ckpt_skips``: the distinct steps whose save was skipped
+      (``ckpt_skip`` on any rank) from its time until the next fault's (or ``t1``).
     * ``fault_detected`` attaches to the oldest open fault without a detection whose time is
       <= its ``ts``; if every open fault is already detected, it is a secondary detection of
       that outage (a peer's collective failing after the faulty rank raised) and is ignored;
@@ -69,8 +73,13 @@ Partition of [t0, t1]
 
 Figures
     * ``training_goodput = productive_s / wall_s`` (0.0 when ``wall_s == 0``).
-    * ``infra_goodput = 1 - |union over faults of [fault time, resume_ts or t1]| / wall_s``
-      (1.0 when ``wall_s == 0``).
+    * ``infra_goodput = 1 - |union over faults of [detection ts, resume_ts or t1]| / wall_s``
+      (1.0 when ``wall_s == 0``; fault time stands in for a fault never detected). This is the
+      published definition, 1 - (shutdown + startup time per fault) / wall time: the time the
+      infrastructure spent tearing down and bringing back. The time a fault went unnoticed is
+      not in it; it is ``detection`` badput and in ``availability``.
+    * ``availability = 1 - |union over faults of [fault time, resume_ts or t1]| / wall_s``:
+      the stricter figure, detection included.
     * ``checkpoint_save_s`` = time assigned to ``checkpoint_save``; ``loop_s`` = measure of the
       union of all reference-rank step intervals (surviving and re-executed) and ``ckpt_stage``
       intervals; ``checkpoint_efficiency = 1 - checkpoint_save_s / loop_s`` (None if
@@ -204,6 +213,10 @@ class FaultRecord:
     """Tier of the checkpoint load between fault and resume ("disk", "memory", ...), or None."""
     restored_step: int | None
     """Step recorded by that checkpoint load, or None."""
+    disruptive: bool = True
+    """False for a fault that ended no process (no outage: zero downtime)."""
+    ckpt_skips: int | None = None
+    """Non-disruptive faults: distinct steps whose save was skipped while it was the latest."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -224,7 +237,9 @@ class RunReport:
     training_goodput: float
     """productive_s / wall_s."""
     infra_goodput: float
-    """1 - union of fault downtime / wall_s."""
+    """1 - union of [detection, resume] per fault / wall_s (shutdown + startup)."""
+    availability: float
+    """1 - union of [fault, resume] per fault / wall_s (detection included)."""
     checkpoint_efficiency: float | None
     """1 - checkpoint_save_s / loop_s; None if there is no loop time."""
     ettr: float | None
@@ -272,6 +287,7 @@ class _Fault:
     threshold: float | None = None
     resume_ts: float | None = None
     resume_step: int | None = None
+    disruptive: bool = True
 
     def current_threshold(self) -> float:
         parts = [self.fault_ts]
@@ -401,7 +417,29 @@ class _Timeline:
         return self.ref_loads[j] if j >= 0 and self.ref_load_ts[j] >= start else None
 
 
-def _fault_record(index: int, f: _Fault, timeline: _Timeline, t1: float) -> FaultRecord:
+def _fault_record(
+    index: int, f: _Fault, timeline: _Timeline, t1: float, skips: int | None = None
+) -> FaultRecord:
+    if not f.disruptive:
+        return FaultRecord(
+            index=index,
+            kind=f.kind,
+            rank=f.rank,
+            step=f.step,
+            injected=f.injected,
+            fault_ts=f.fault_ts,
+            cause=None,
+            detector=None,
+            layer=None,
+            detection_s=None,
+            recovery_s=None,
+            downtime_s=0.0,
+            steps_lost=0,
+            restore_tier=None,
+            restored_step=None,
+            disruptive=False,
+            ckpt_skips=skips,
+        )
     recovery_s = downtime_s = None
     steps_lost = None
     if f.resume_ts is not None and f.threshold is not None:
@@ -466,6 +504,7 @@ def compute(events: Sequence[Event], *, reference_rank: int = 0) -> RunReport:
         intervals.append((*span, _PRIO["productive" if alive else "reexecuted"]))
         loop.append(span)
     downtime: list[tuple[float, float]] = []
+    restoring: list[tuple[float, float]] = []
     for f in faults:
         if f.detection_ts is not None:
             intervals.append((f.fault_ts, f.detection_ts, _PRIO["detection"]))
@@ -473,13 +512,18 @@ def compute(events: Sequence[Event], *, reference_rank: int = 0) -> RunReport:
         end = f.resume_ts if f.resume_ts is not None else t1
         intervals.append((start, end, _PRIO["recovery"]))
         downtime.append((f.fault_ts, end))
+        restoring.append((start, end))
 
     first_step_begin = min((float(e.begin) for e in timeline.ref_steps), default=t1)
     totals, startup_first_s = _partition(intervals, t0, t1, first_step_begin)
     seconds = dict(zip((*CATEGORIES, OTHER), totals, strict=True))
     productive_s = float(seconds.pop("productive"))
     badput_s = {name: float(seconds[name]) for name in BADPUT_CATEGORIES}
-    records = [_fault_record(i, f, timeline, t1) for i, f in enumerate(faults)]
+    skips = [(float(e.ts), e.get("step")) for e in ordered if e.kind == CKPT_SKIP]
+    records = [
+        _fault_record(i, f, timeline, t1, _skips_after(skips, faults, i, t1))
+        for i, f in enumerate(faults)
+    ]
 
     checkpoint_save_s = badput_s["checkpoint_save"]
     loop_s = _union_measure(loop)
@@ -497,7 +541,8 @@ def compute(events: Sequence[Event], *, reference_rank: int = 0) -> RunReport:
         productive_s=productive_s,
         steps_completed=len(timeline.last_exec),
         training_goodput=productive_s / wall_s if wall_s > 0 else 0.0,
-        infra_goodput=1.0 - _union_measure(downtime) / wall_s if wall_s > 0 else 1.0,
+        infra_goodput=1.0 - _union_measure(restoring) / wall_s if wall_s > 0 else 1.0,
+        availability=1.0 - _union_measure(downtime) / wall_s if wall_s > 0 else 1.0,
         checkpoint_efficiency=1.0 - checkpoint_save_s / loop_s if loop_s > 0 else None,
         ettr=productive_s / ettr_den if ettr_den > 0 else None,
         badput_s=badput_s,
@@ -510,6 +555,20 @@ def compute(events: Sequence[Event], *, reference_rank: int = 0) -> RunReport:
         recovery_s_median=float(statistics.median(recoveries)) if recoveries else None,
         recovery_s_max=float(max(recoveries)) if recoveries else None,
     )
+
+
+def _skips_after(
+    skips: list[tuple[float, Any]], faults: list[_Fault], i: int, t1: float
+) -> int | None:
+    """Distinct steps skipped (``skips``: (ts, step), sorted) from non-disruptive fault ``i``
+    until the next fault's time (or t1); None for a disruptive fault."""
+    if faults[i].disruptive:
+        return None
+    start = faults[i].fault_ts
+    end = min((f.fault_ts for f in faults[i + 1 :] if f.fault_ts > start), default=t1)
+    lo = bisect.bisect_left(skips, start, key=lambda x: x[0])
+    hi = bisect.bisect_right(skips, end, key=lambda x: x[0])
+    return len({step for _, step in skips[lo:hi]})
 
 
 def _walk_faults(ordered: list[Event], ref: int) -> list[_Fault]:
@@ -527,6 +586,10 @@ def _walk_faults(ordered: list[Event], ref: int) -> list[_Fault]:
                 injected=True,
             )
             faults.append(f)
+            if e.get("disruptive", True) is False:  # nothing to recover: never opened
+                f.disruptive = False
+                f.resume_ts = f.threshold = f.fault_ts
+                continue
             open_.append(f)
         elif kind == FAULT_DETECTED:
             ts = float(e.ts)

@@ -188,7 +188,8 @@ def breakdown_chart(views: Sequence[RunView]) -> str:
 
 def _summary_table(views: Sequence[RunView]) -> str:
     head = (
-        "<tr><th>run</th><th>training goodput</th><th>infra goodput</th><th>ETTR</th>"
+        "<tr><th>run</th><th>training goodput</th><th>infra goodput</th><th>availability</th>"
+        "<th>ETTR</th>"
         "<th>checkpoint efficiency</th><th>wall s</th><th>steps</th><th>faults</th>"
         "<th>recovery s p50 / max</th></tr>"
     )
@@ -197,7 +198,8 @@ def _summary_table(views: Sequence[RunView]) -> str:
         r = v.report
         rows.append(
             f"<tr><td>{_esc(v.label)}</td><td>{_pct(r.training_goodput)}</td>"
-            f"<td>{_pct(r.infra_goodput)}</td><td>{_pct(r.ettr)}</td>"
+            f"<td>{_pct(r.infra_goodput)}</td><td>{_pct(r.availability)}</td>"
+            f"<td>{_pct(r.ettr)}</td>"
             f"<td>{_pct(r.checkpoint_efficiency)}</td><td>{r.wall_s:.2f}</td>"
             f"<td>{r.steps_completed}</td><td>{len(r.faults)}</td>"
             f"<td>{_fmt(r.recovery_s_median)} / {_fmt(r.recovery_s_max)}</td></tr>"
@@ -246,7 +248,9 @@ def render(views: Sequence[RunView], *, title: str = "unbroken goodput report") 
         f"<h1>{_esc(title)}</h1>"
         f"<h2>Figures</h2>{_summary_table(views)}"
         "<p class='note'>training goodput = time of steps that survived ÷ wall time; "
-        "infrastructure goodput = 1 − fault-to-resumed time ÷ wall time.</p>"
+        "infrastructure goodput = 1 − (shutdown + startup per fault: detected-to-resumed time) "
+        "÷ wall time, the published definition; availability = 1 − fault-to-resumed time ÷ "
+        "wall time (detection included).</p>"
         f"<h2>Progress: step vs wall time</h2>{step_chart(views)}"
         "<p class='note'>Dashed lines mark faults; a drop in a line is a rollback.</p>"
         f"<h2>Where the time went</h2>{breakdown_chart(views)}"

@@ -59,6 +59,7 @@ def format_table(report: RunReport) -> str:
         ("productive", f"{report.productive_s:.3f} s"),
         ("training goodput", _pct(report.training_goodput)),
         ("infra goodput", _pct(report.infra_goodput)),
+        ("availability", _pct(report.availability)),
         ("checkpoint efficiency", _pct(report.checkpoint_efficiency)),
         ("ETTR", _pct(report.ettr)),
         ("steps completed", str(report.steps_completed)),

@@ -23,6 +23,7 @@ import logging
 import os
 import sys
 import time
+import traceback
 from collections.abc import Sequence
 from datetime import timedelta
 from pathlib import Path
@@ -35,7 +36,7 @@ from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_optimizer_state_dict,
 )
-from torch.distributed.elastic.multiprocessing.errors import record
+from torch.distributed.elastic.multiprocessing.errors import get_error_handler, record
 
 from unbroken import restart
 from unbroken.checkpoint import Checkpointer, PerRank
@@ -88,6 +89,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--hard-timeout-s", type=float, default=90.0, help="no step for this long: kill the rank"
+    )
+    p.add_argument(
+        "--max-rank-faults",
+        type=int,
+        default=3,
+        help="in-process restart hands over to the launcher once one rank caused this many faults",
     )
     p.add_argument(
         "--ckpt-every", type=int, default=0, help="checkpoint after every N steps (0: off)"
@@ -203,7 +210,14 @@ def train(args: argparse.Namespace, env: WorkerEnv, ledger: Ledger, run_dir: Pat
     global_batch = _check_args(args, env.world_size)
     plan = load_plan(args.faults, world_size=env.world_size) if args.faults else FaultPlan()
     plan.check_world(env.world_size)
-    injector = FaultInjector(plan, run_dir=run_dir, rank=env.rank, sink=ledger)
+    injector = FaultInjector(
+        plan,
+        run_dir=run_dir,
+        rank=env.rank,
+        sink=ledger,
+        ckpt_dir=Path(args.ckpt_dir) if args.ckpt_dir else run_dir / "ckpt",
+        agent_pid=env.agent_pid,
+    )
     device = _device(args.device, env)
 
     def once(ctx: Any) -> str:
@@ -217,6 +231,7 @@ def train(args: argparse.Namespace, env: WorkerEnv, ledger: Ledger, run_dir: Pat
             soft_timeout_s=args.soft_timeout_s,
             hard_timeout_s=args.hard_timeout_s,
             barrier_timeout_s=args.hard_timeout_s + 60.0,
+            max_rank_faults=args.max_rank_faults,
         )
         return restart.run(once, config=config, ledger=ledger, env=env)
     with ledger.phase("pg_init"):
@@ -304,6 +319,12 @@ def train_once(
                 with ctx.no_hang_protection():  # a sync save, or one waiting for the last
                     ckpt.maybe_save(step, state)
         with ledger.phase("shutdown"):
+            # The last save's commit and the exit are no step: the launcher's finishing timeout.
+            heartbeat(
+                args.steps - 1,
+                committed_step=None if ckpt is None else ckpt.last_committed,
+                finishing=True,
+            )
             if ckpt is not None:
                 with ctx.no_hang_protection():
                     ckpt.close()  # the last save is durable
@@ -364,17 +385,27 @@ def main(argv: Sequence[str] | None = None) -> int:
         logger.error("%s", e)
         ledger.close()
         return e.exit_code
-    except BaseException as e:
-        if not isinstance(e, (KeyboardInterrupt, SystemExit)):
-            ledger.emit(
-                ev.FAULT_DETECTED,
-                cause=type(e).__name__,
-                detector="exception",
-                fault_rank=env.rank,
-                message=str(e)[:500],
-            )
+    except (KeyboardInterrupt, SystemExit):
         ledger.close()
         raise
+    except BaseException as e:
+        ledger.emit(
+            ev.FAULT_DETECTED,
+            cause=type(e).__name__,
+            detector="exception",
+            fault_rank=env.rank,
+            message=str(e)[:500],
+        )
+        ledger.close()
+        # Fail fast: the record is durable; the interpreter's teardown with torch loaded (module
+        # finalizers, process-group destructors) takes ~0.25 s here, and the launcher's restart
+        # and the peers' detection wait for the exit. The error file that @record would write
+        # (the launcher reads the cause from it) is written here first.
+        get_error_handler().record_exception(e)
+        traceback.print_exc()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
     if env.rank == 0:
         ledger.emit(ev.JOB_END, status="ok", final_state_sha256=digest)
     ledger.close()

@@ -1,0 +1,74 @@
+"""Slow-storage faults as the writer process sees them: control files under the root.
+
+A ``slow-storage`` fault (``unbroken.faults``) writes ``<root>/.storage-faults/slow-<i>.json``
+(fsynced) with ``ranks`` (None: every rank), ``bytes_per_s``, and either ``saves`` (how many of
+each rank's saves it slows) or ``until`` (epoch seconds). At the start of every save the writer
+asks ``save_rate`` for its cap: the lowest rate among the faults that apply to its rank and are
+not used up. The saves a fault has slowed are counted per rank in
+``slow-<i>.rank-<R>.used``, so a restarted writer does not slow more saves than the plan says.
+
+Retention and restore never touch this directory (its name matches no checkpoint pattern).
+Nothing here imports torch.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import uuid
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+CONTROL_DIR = ".storage-faults"
+
+
+def control_dir(root: Path) -> Path:
+    return root / CONTROL_DIR
+
+
+def _used_path(control: Path, rank: int) -> Path:
+    return control.with_name(f"{control.stem}.rank-{rank}.used")
+
+
+def _read_used(path: Path) -> int:
+    try:
+        return int(path.read_text())
+    except (OSError, ValueError):
+        return 0
+
+
+def _write_used(path: Path, used: int) -> None:
+    tmp = path.with_name(f"{path.name}.tmp-{uuid.uuid4().hex[:8]}")
+    tmp.write_text(str(used))
+    os.replace(tmp, path)
+
+
+def save_rate(root: Path, *, rank: int, now: float) -> float | None:
+    """The write-rate cap (bytes/s) of a save that ``rank``'s writer starts ``now``, or None
+    when no slow-storage fault applies; counts this save against each fault that applies."""
+    directory = control_dir(root)
+    if not directory.is_dir():
+        return None
+    rates = []
+    for path in sorted(directory.glob("slow-*.json")):
+        try:
+            doc = json.loads(path.read_text())
+            ranks, rate = doc["ranks"], float(doc["bytes_per_s"])
+            saves, until = doc.get("saves"), doc.get("until")
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            logger.warning("ignoring unreadable slow-storage control file %s: %s", path, e)
+            continue
+        if ranks is not None and rank not in ranks:
+            continue
+        if until is not None and now >= float(until):
+            continue
+        if saves is not None:
+            used_path = _used_path(path, rank)
+            used = _read_used(used_path)
+            if used >= int(saves):
+                continue
+            _write_used(used_path, used + 1)
+        rates.append(rate)
+    return min(rates) if rates else None
