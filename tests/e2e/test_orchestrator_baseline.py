@@ -98,4 +98,6 @@ def test_a_hang_ends_by_the_survivors_collective_timeout(tmp_path: Path, clean_h
     assert final(run_dir)["final_state_sha256"] == clean_hash
     [fault] = goodput.compute(read_events(run_dir)).faults
     assert fault.kind == "hang" and fault.layer == "orchestrator"
-    assert fault.detection_s is not None and fault.detection_s >= 2.0  # the collective timeout
+    # The collective timeout (2 s), counted by the survivor from when it entered its collective,
+    # which may be a few milliseconds before the hung rank recorded the injection.
+    assert fault.detection_s is not None and fault.detection_s >= 1.9

@@ -145,3 +145,13 @@ def test_under_torchrun_an_exception_is_recovered_without_a_launcher_restart(
     assert res.hashes() == [reference, reference]
     report = goodput.compute(read_events(tmp_path / "run"))
     assert [f.layer for f in report.faults] == ["inprocess"] and report.num_attempts == 1
+
+
+def test_a_restart_restores_the_in_memory_snapshot(reference: str, tmp_path: Path) -> None:
+    """Saves after steps 1, 3, 5; rank 1 fails after step 4: both ranks restore step 3 from
+    the snapshot their last iteration staged (no disk read) and end bit-exact."""
+    plan = "faults:\n  - {step: 4, rank: 1, kind: exception}\n"
+    ranks = train(tmp_path / "run", "--ckpt-every", "2", plan=plan)
+    assert_recovered(ranks, tmp_path / "run", reference, faults=1)
+    [fault] = goodput.compute(read_events(tmp_path / "run")).faults
+    assert (fault.restore_tier, fault.restored_step, fault.steps_lost) == ("memory", 3, 1)

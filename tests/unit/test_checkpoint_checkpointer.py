@@ -284,3 +284,49 @@ def test_a_forked_writer_holds_none_of_the_trainers_connections(tmp_path: Path) 
         assert sum(t.startswith("socket:") for t in targets) == 1  # its own, to the trainer
     peer.close()
     assert layout.committed_steps(tmp_path / "ckpt") == [0]
+
+
+def test_after_an_abort_the_next_checkpointer_restores_from_memory(tmp_path: Path) -> None:
+    """An in-process restart: the failed iteration's Checkpointer is aborted, the next one on
+    the same directory restores the newest fully staged step from memory, not disk."""
+    led = Ledger(tmp_path, run="t", rank=0)
+    model, optim = _model(0)
+    cursor = Cursor()
+    ck = Checkpointer(tmp_path / "ckpt", ledger=led, throttle_mbps=0.05)  # never durable
+    _train_step(model, optim)
+    cursor.position = 11
+    ck.save(4, {"model": model, "optim": optim, "data": cursor})
+    expected = _snapshot(model, optim)
+    _train_step(model, optim)  # the failed iteration went on, then failed
+    cursor.position = 99
+    ck.abort()
+    assert layout.committed_steps(tmp_path / "ckpt") == []  # nothing on disk to restore
+
+    model2, optim2 = _model(1)
+    cursor2 = Cursor()
+    with Checkpointer(tmp_path / "ckpt", ledger=led) as ck2:
+        assert ck2.restore({"model": model2, "optim": optim2, "data": cursor2}) == 4
+        assert _same(_snapshot(model2, optim2), expected) and cursor2.position == 11
+        _train_step(model2, optim2)
+        ck2.save(5, {"model": model2, "optim": optim2, "data": cursor2})  # the arena, reused
+    led.close()
+    assert layout.committed_steps(tmp_path / "ckpt") == [5]
+    loads = [e for e in read_events(tmp_path) if e.kind == ev.CKPT_LOAD]
+    assert [(e.get("tier"), e.get("step")) for e in loads] == [("memory", 4)]
+
+
+def test_a_snapshot_that_does_not_fit_falls_back_to_disk(tmp_path: Path) -> None:
+    model, optim = _model(0)
+    with Checkpointer(tmp_path / "ckpt") as ck:
+        ck.save(2, {"model": model, "optim": optim})
+        ck.wait()
+    expected = _snapshot(model, optim)
+    ck = Checkpointer(tmp_path / "ckpt", throttle_mbps=0.05)  # never durable: 5 s
+    other = torch.nn.Linear(3, 3)
+    pad = torch.zeros(1 << 16)
+    ck.save(3, {"model": other, "optim": torch.optim.AdamW(other.parameters()), "pad": pad})
+    ck.abort()
+    model2, optim2 = _model(1)
+    with Checkpointer(tmp_path / "ckpt") as ck2:
+        assert ck2.restore({"model": model2, "optim": optim2}) == 2  # from disk
+    assert _same(_snapshot(model2, optim2), expected)

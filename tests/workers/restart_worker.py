@@ -182,6 +182,7 @@ def train(ctx: restart.RestartContext, args: argparse.Namespace, ledger: Ledger)
         )
         restored = ckpt.restore({"model": model, "optim": optim, "data": sampler})
         start = 0 if restored is None else restored + 1
+        ledger.mark()  # the first step begins after the restore
     try:
         period = 1.0 / args.steps_per_s if args.steps_per_s else 0.0
         for step in range(start, args.steps):

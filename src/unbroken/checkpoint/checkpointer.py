@@ -41,7 +41,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from unbroken.checkpoint import layout
+from unbroken.checkpoint import layout, memory
 from unbroken.checkpoint.arena import Arena, Slot, copy_into, plan_slots
 from unbroken.checkpoint.client import WriterClient
 from unbroken.checkpoint.config import CheckpointConfig, CheckpointError
@@ -154,6 +154,12 @@ class Checkpointer:
         self._stats = CheckpointStats()
         self._cache = ResolveCache()
         self._closed = False
+        self._held: memory.Snapshot | None = None
+        """What the arena holds fully staged (the memory tier), or None mid-copy."""
+        self._writer_has_arena = False
+        self._adopted = memory.take(self.root) if self.config.memory_tier else None
+        if self._adopted is not None:  # an in-process restart: its arena, with a snapshot
+            self._arena = self._adopted.arena
         if self.config.eager_writer:
             self._start_writer()
 
@@ -191,7 +197,9 @@ class Checkpointer:
             world_size=self.world_size,
             overlap=self.config.overlap,
             cache=self._cache,
+            stage_all=self.config.memory_tier,
         )
+        self._held = None  # the arena is about to be overwritten
         tensors = [i for i in resolved.items if i.tensor is not None]
         payloads = [(i.write_item, i.payload) for i in resolved.items if i.tensor is None]
         alloc_s = self._prepare(tensors)
@@ -214,10 +222,19 @@ class Checkpointer:
         with self._cond:
             self._inflight = inflight
         self._last_step = step
+        held = memory.Snapshot(
+            step=step,
+            rank=self.rank,
+            world_size=self.world_size,
+            arena=self._arena,
+            tensors=[(i.write_item.index, s) for i, s in zip(tensors, self._slots, strict=True)],
+            payloads=[(wi.index, p) for wi, p in payloads if p is not None],
+        )
         if later_pairs:
             self._ensure_stager()
-            self._jobs.put((later_pairs, msg, inflight))
+            self._jobs.put((later_pairs, msg, inflight, held))
         else:
+            self._held = held
             self._send_save(msg, inflight)
         t3 = time.time()
         nbytes = resolved.tensor_bytes + sum(len(p or b"") for _, p in payloads)
@@ -297,6 +314,11 @@ class Checkpointer:
         if self._closed:
             raise CheckpointError("restore() on a closed Checkpointer")
         t0 = time.time()
+        step = self._restore_from_memory(state)
+        if step is not None:
+            self._interval(ev.CKPT_LOAD, begin=t0, step=step, tier="memory", path=None)
+            self._last_step = step
+            return step
         result: RestoreResult = _restore(
             state, root=self.root, rank=self.rank, checksums=self.config.verify
         )
@@ -313,6 +335,38 @@ class Checkpointer:
         )
         self._last_step = result.step
         return result.step
+
+    def _restore_from_memory(self, state: Mapping[str, Any]) -> int | None:
+        """The memory tier (see ``memory``): the step restored, or None (then: disk).
+        Collective with a process group, like ``restore``."""
+        snap, self._adopted = self._adopted, None
+        mine = None
+        if snap is not None and (snap.rank, snap.world_size) == (self.rank, self.world_size):
+            mine = snap.step
+        distributed = dist.is_available() and dist.is_initialized()
+        if distributed:
+            steps: list[Any] = [None] * self.world_size
+            dist.all_gather_object(steps, mine)
+            mine = steps[0] if all(s == steps[0] for s in steps) else None
+        if mine is None:
+            return None
+        assert snap is not None
+        pending = None
+        try:
+            pending = memory.prepare(state, snap, rank=self.rank)
+        except memory.Mismatch as e:
+            logger.warning("in-memory snapshot of step %d does not fit; from disk: %s", mine, e)
+        ok = pending is not None
+        if distributed:  # every rank applies, or none does
+            oks: list[Any] = [None] * self.world_size
+            dist.all_gather_object(oks, ok)
+            ok = all(oks)
+        if not ok or pending is None:
+            return None
+        pending.apply()
+        if self.rank == 0:  # what the killed writers left, as a disk restore does
+            layout.sweep_incomplete(self.root)
+        return mine
 
     def latest(self) -> int | None:
         """The newest committed step (its files are not checked), or None."""
@@ -355,6 +409,13 @@ class Checkpointer:
         if self._writer is not None:
             self._writer.kill_nowait()
         try:
+            if self._stager is not None:  # a background copy ends before the arena is kept
+                self._jobs.put(None)
+                self._stager.join(timeout=30.0)
+                self._stager = None
+            if self.config.memory_tier and self._held is not None:
+                memory.keep(self.root, self._held)  # for the next iteration's restore
+                self._arena = Arena()
             self._shutdown()
         except Exception:  # already unwinding from another error: do not mask it
             logger.exception("stopping the checkpoint writer")
@@ -377,12 +438,15 @@ class Checkpointer:
             ]
             self._slots, total = plan_slots(specs)
             pin = any(i.tensor.is_cuda for i in tensors)
-            if self._arena.ensure(total, pin=pin):
+            if self._arena.ensure(total, pin=pin) or not self._writer_has_arena:
                 self._writer.send(
                     {"type": "arena", "size": self._arena.size}, fds=(self._arena.fd,)
                 )
+                self._writer_has_arena = True
             self._layout_id += 1
-            entries = [(i.write_item, s) for i, s in zip(tensors, self._slots, strict=True)]
+            entries = [
+                (i.write_item, s) for i, s in zip(tensors, self._slots, strict=True) if i.persist
+            ]
             self._writer.send({"type": "layout", "layout_id": self._layout_id, "entries": entries})
             self._layout_sig = sig
         return time.time() - t0
@@ -408,9 +472,10 @@ class Checkpointer:
             job = self._jobs.get()
             if job is None:
                 return
-            pairs, msg, inflight = job
+            pairs, msg, inflight, held = job
             try:
                 copy_into(self._arena, pairs)
+                self._held = held
                 self._send_save(msg, inflight)
             except Exception as e:
                 logger.exception("background staging of step %d failed", inflight.step)

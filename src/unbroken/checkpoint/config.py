@@ -50,6 +50,10 @@ class CheckpointConfig:
     CPU first and persisting takes longer (0: same priority as the trainer)."""
     throttle_mbps: float = 0.0
     """Cap the writer's write rate in MB/s to emulate slow shared storage; 0: no cap."""
+    memory_tier: bool = True
+    """Keep the newest staged snapshot across in-process restarts and restore from it when
+    every rank holds the same step (no disk read); every rank then stages the replicated
+    tensors it does not write too (see ``unbroken.checkpoint.memory``)."""
     verify: bool = True
     """``restore`` checks every file's checksum before loading."""
 

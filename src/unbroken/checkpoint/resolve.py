@@ -72,6 +72,9 @@ class StageItem:
     """The serialized value (BYTE_IO items), made at ``save`` time."""
     background: bool = False
     """May be copied after ``save`` returns (only changed by ``optimizer.step``)."""
+    persist: bool = True
+    """Written by this rank's writer; False for a replicated tensor another rank writes,
+    staged only for the memory tier (``stage_all``)."""
 
     @property
     def nbytes(self) -> int:
@@ -378,8 +381,11 @@ def resolve_for_save(
     world_size: int,
     overlap: bool,
     cache: ResolveCache | None = None,
+    stage_all: bool = False,
 ) -> ResolvedState:
-    """This rank's write items for ``state``, with BYTE_IO values serialized now."""
+    """This rank's write items for ``state``, with BYTE_IO values serialized now.
+    ``stage_all``: also the replicated tensors another rank writes (``persist=False``), so
+    that this rank's staged copy alone restores it (the memory tier)."""
     parts = _split(state)
     nested, roles = _nested(state, parts, rank=rank, cache=cache)
     flat, mappings = flatten_state_dict(nested)
@@ -411,15 +417,18 @@ def resolve_for_save(
                 payload = cache.serialize(fqn, obj) if cache else _serialize(obj)
                 out.items.append(StageItem(wi, payload=payload))
                 continue
+            persist = True
             if fqn in owner:
                 out.assigned.append(wi.index)
                 if owner[fqn] != rank:
-                    continue
+                    if not stage_all:
+                        continue
+                    persist = False
             local = _local(obj).detach()
             background = overlap and (
                 role == "optim" or (role == "model" and local.data_ptr() in param_ptrs)
             )
-            out.items.append(StageItem(wi, tensor=local, background=background))
+            out.items.append(StageItem(wi, tensor=local, background=background, persist=persist))
     return out
 
 
