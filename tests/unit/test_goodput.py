@@ -20,6 +20,7 @@ from unbroken.ledger.events import (
     FAULT_INJECTED,
     JOB_END,
     PHASE,
+    PROCESS_START,
     RESTART_BEGIN,
     RESTART_END,
     STEP,
@@ -569,3 +570,26 @@ def test_peer_detections_inside_an_outage_belong_to_it():
     assert first.cause == "InjectedFault" and first.detection_s == approx(0.0)
     assert first.downtime_s == approx(2.0) and first.steps_lost == 5
     assert second.fault_ts == 12.5 and second.downtime_s == approx(0.5)
+
+
+def test_the_launchers_phases_before_the_first_step_are_startup():
+    """The agent starts 2 s before its workers (interpreter, warm pool, rendezvous); its
+    phases up to the first step are start-up, a later one (a restart's launch) is not."""
+    workers = [
+        phase("import", 2.0, 3.0),
+        phase("pg_init", 3.0, 3.5),
+        *steps(0, 4, 3.5),  # [3.5, 8.5]
+    ]
+    agent = [
+        ev(PROCESS_START, 0.0, rank=-1),
+        phase("import", 0.0, 1.2, rank=-1),
+        phase("rendezvous", 1.2, 1.5, rank=-1),
+        phase("launch", 1.5, 3.8, rank=-1),  # cut where the worker starts: 2.0
+        phase("launch", 6.0, 6.5, rank=-1),  # mid-run: not start-up
+    ]
+    r = compute([*agent, *workers])
+    check_partition(r)
+    assert r.badput_s["startup"] == approx(2.0 + 1.0)  # [0, 2] agent, [2, 3] worker import
+    assert r.badput_s["pg_init"] == approx(0.5)
+    assert r.badput_s["other"] == approx(0.0)
+    assert r.productive_s == approx(5.0)

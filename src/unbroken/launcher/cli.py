@@ -119,6 +119,8 @@ def run(spec: largs.JobSpec, cfg: largs.lconfig.LauncherConfig) -> int:
         role="agent",
         nproc_per_node=spec.nproc_per_node,
     )
+    # The agent's own start-up (interpreter, imports, warm pool started), like a worker's.
+    ledger.interval(ev.PHASE, begin=process_start_time(), name="import")
     workers = None
     try:
         from unbroken.launcher.rendezvous import C10dRendezvous

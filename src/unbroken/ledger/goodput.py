@@ -61,6 +61,8 @@ Partition of [t0, t1]
     2. ``checkpoint_load``: reference-rank ``ckpt_load`` intervals (and phase ``ckpt_load``).
     3. phases, by name, in this order: ``startup`` (phase ``import``), ``rendezvous``,
        ``pg_init``, ``model_build``, ``data``, ``shutdown``. Other phase names are ignored.
+       The launcher's (rank ``LAUNCHER_RANK``) phases, up to the begin of the reference
+       rank's first record, count as ``startup`` (its start-up, rendezvous and launch).
     4. ``productive``: surviving step intervals.
     5. ``reexecuted``: step intervals that were later rolled back.
     6. ``detection``: per fault, [fault time, detection ts].
@@ -121,6 +123,7 @@ from unbroken.ledger.events import (
     RESTART_END,
     STEP,
     WORKER_EXIT,
+    LAUNCHER_RANK,
     Event,
 )
 
@@ -499,6 +502,12 @@ def compute(events: Sequence[Event], *, reference_rank: int = 0) -> RunReport:
             category = _PHASE_CATEGORY.get(str(e.get("name")))
             if category is not None:
                 intervals.append((*span, _PRIO[category]))
+    # The launcher's own phases until the reference rank's first record are the job's
+    # start-up (later ones overlap the workers' phases and restarts, accounted for by those).
+    first_ref = min((float(e.begin) for e in ordered if e.rank == ref), default=t1)
+    for e in ordered:
+        if e.rank == LAUNCHER_RANK and e.kind == PHASE and float(e.begin) < first_ref:
+            intervals.append((float(e.begin), min(float(e.ts), first_ref), _PRIO["startup"]))
     for e, alive in zip(timeline.ref_steps, timeline.survives, strict=True):
         span = (float(e.begin), float(e.ts))
         intervals.append((*span, _PRIO["productive" if alive else "reexecuted"]))
