@@ -117,13 +117,13 @@ from unbroken.ledger.events import (
     FAULT_DETECTED,
     FAULT_INJECTED,
     JOB_END,
+    LAUNCHER_RANK,
     PHASE,
     PROCESS_START,
     RESTART_BEGIN,
     RESTART_END,
     STEP,
     WORKER_EXIT,
-    LAUNCHER_RANK,
     Event,
 )
 
