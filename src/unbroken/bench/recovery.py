@@ -358,8 +358,9 @@ def _num(xs: list[Any]) -> str:
 
 
 def format_table(results: list[ConfigResult]) -> str:
+    w = max([12, *(len(r.config) for r in results)])
     head = (
-        f"{'config':<12} {'train goodput':>13} {'infra goodput':>13} {'avail':>6} "
+        f"{'config':<{w}} {'train goodput':>13} {'infra goodput':>13} {'avail':>6} "
         f"{'recovery s p50/max':>19} "
         f"{'steps lost':>12} {'detect s p50':>12} {'ckpt eff':>9} {'ETTR':>7} {'wall s':>8} "
         f"{'= clean':>8}"
@@ -370,7 +371,7 @@ def format_table(results: list[ConfigResult]) -> str:
         lost = [x for x in row["steps_lost"] if x is not None]
         det = [x for x in row["detection_s"] if x is not None]
         lines.append(
-            f"{r.config:<12} {_pct(row['training_goodput']):>13} {_pct(row['infra_goodput']):>13} "
+            f"{r.config:<{w}} {_pct(row['training_goodput']):>13} {_pct(row['infra_goodput']):>13} "
             f"{_pct(row['availability']):>6} {_num(row['recovery_s']):>19} {(str(sum(lost)) if lost else '–'):>12} "
             f"{(f'{statistics.median(det):.3f}' if det else '–'):>12} "
             f"{_pct(row['checkpoint_efficiency']):>9} {_pct(row['ettr']):>7} "
