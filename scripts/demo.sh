@@ -13,7 +13,7 @@ OUT=${OUT:-runs/demo-$(date +%Y%m%d-%H%M%S)}
 export OMP_NUM_THREADS=1
 exec .venv/bin/unbroken bench recovery \
   --configs inprocess launcher baseline \
-  --model tiny --steps 500 --batch-size 8 --seq-len 64 --ckpt-every 10 \
+  --model tiny --steps 500 --batch-size 8 --seq-len 64 --ckpt-every 5 \
   --faults 5 --kinds exception sigkill hang --seed 42 \
   --hang-timeout-s 0.5 --pg-timeout-s 3 --pod-restart-s 1 \
   --out "$OUT" --json "$OUT/results.json" "$@"
