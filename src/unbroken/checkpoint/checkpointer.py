@@ -314,7 +314,7 @@ class Checkpointer:
         if self._closed:
             raise CheckpointError("restore() on a closed Checkpointer")
         t0 = time.time()
-        step = self._restore_from_memory(state)
+        step, held = self._restore_from_memory(state)
         if step is not None:
             self._interval(ev.CKPT_LOAD, begin=t0, step=step, tier="memory", path=None)
             self._last_step = step
@@ -332,24 +332,26 @@ class Checkpointer:
             path=str(result.path) if result.path else None,
             rejected=[s for s, _ in result.rejected],
             skipped=result.skipped,
+            memory=held,
         )
         self._last_step = result.step
         return result.step
 
-    def _restore_from_memory(self, state: Mapping[str, Any]) -> int | None:
-        """The memory tier (see ``memory``): the step restored, or None (then: disk).
-        Collective with a process group, like ``restore``."""
+    def _restore_from_memory(self, state: Mapping[str, Any]) -> tuple[int | None, list[Any]]:
+        """The memory tier (see ``memory``): the step restored, or None (then: disk), and the
+        step each rank held in memory (None: nothing). Collective with a process group."""
         snap, self._adopted = self._adopted, None
         mine = None
         if snap is not None and (snap.rank, snap.world_size) == (self.rank, self.world_size):
             mine = snap.step
         distributed = dist.is_available() and dist.is_initialized()
+        held: list[Any] = [mine]
         if distributed:
-            steps: list[Any] = [None] * self.world_size
-            dist.all_gather_object(steps, mine)
-            mine = steps[0] if all(s == steps[0] for s in steps) else None
+            held = [None] * self.world_size
+            dist.all_gather_object(held, mine)
+            mine = held[0] if all(s == held[0] for s in held) else None
         if mine is None:
-            return None
+            return None, held
         assert snap is not None
         pending = None
         try:
@@ -362,11 +364,11 @@ class Checkpointer:
             dist.all_gather_object(oks, ok)
             ok = all(oks)
         if not ok or pending is None:
-            return None
+            return None, held
         pending.apply()
         if self.rank == 0:  # what the killed writers left, as a disk restore does
             layout.sweep_incomplete(self.root)
-        return mine
+        return mine, held
 
     def latest(self) -> int | None:
         """The newest committed step (its files are not checked), or None."""
