@@ -10,20 +10,8 @@ from typing import Any
 
 import pytest
 
+from sinks import Sink
 from unbroken.faults import FaultInjector, InjectedFault, load_plan, parse_plan
-
-
-class Sink:
-    def __init__(self) -> None:
-        self.events: list[tuple[str, dict[str, Any]]] = []
-        self.flushes = 0
-
-    def emit(self, kind: str, *, ts: float | None = None, **data: Any) -> None:
-        self.events.append((kind, data))
-
-    def flush(self, timeout_s: float = 5.0) -> bool:
-        self.flushes += 1
-        return True
 
 
 def test_parse_orders_by_step_and_keeps_params(tmp_path: Path) -> None:

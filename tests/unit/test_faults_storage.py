@@ -14,38 +14,13 @@ from typing import Any
 
 import pytest
 
+from sinks import Sink
 from unbroken.checkpoint import layout, throttle
 from unbroken.faults import FaultInjector, parse_plan, storage
 from unbroken.ledger.events import CKPT_SKIP, FAULT_INJECTED, STEP, Event
 from unbroken.ledger.goodput import compute
 
 SRC = Path(__file__).parents[2] / "src"
-
-
-class Sink:
-    def __init__(self) -> None:
-        self.events: list[tuple[str, dict[str, Any]]] = []
-        self.flushes = 0
-
-    def emit(self, kind: str, *, ts: float | None = None, **data: Any) -> None:
-        self.events.append((kind, data))
-
-    def flush(self, timeout_s: float = 5.0) -> bool:
-        self.flushes += 1
-        return True
-
-
-def test_on_disk_names_agree_with_the_checkpoint_layout() -> None:
-    # faults import nothing of ours, so they spell these out; they must match.
-    assert storage.COMMITTED == layout.COMMITTED
-    assert storage.MANIFEST == layout.MANIFEST
-    assert storage.data_file(3) == layout.data_file(3)
-    assert storage.CONTROL_DIR == throttle.CONTROL_DIR
-    root = Path("/r")
-    assert storage.slow_control_path(root, 4).parent == throttle.control_dir(root)
-    assert layout.partial_dir(root, 5).name == "step-5.partial"
-    assert layout.ABANDONED == ".abandoned"
-    assert layout.skip_marker(1).endswith(".skipped") and layout.fail_marker(1).endswith(".failed")
 
 
 # --- slow storage ----------------------------------------------------------------------------
@@ -73,8 +48,8 @@ def test_slow_storage_fires_without_ending_anything(tmp_path: Path) -> None:
 def test_slow_storage_for_seconds_on_every_rank_and_the_lowest_rate_wins(tmp_path: Path) -> None:
     ckpt = tmp_path / "ckpt"
     ckpt.mkdir()
-    storage.write_slow_control(ckpt, index=0, ranks=None, bytes_per_s=3e6, saves=None, seconds=5)
-    storage.write_slow_control(ckpt, index=1, ranks=[1], bytes_per_s=1e6, saves=1, seconds=None)
+    throttle.write_control(ckpt, index=0, ranks=None, bytes_per_s=3e6, saves=None, seconds=5)
+    throttle.write_control(ckpt, index=1, ranks=[1], bytes_per_s=1e6, saves=1, seconds=None)
     now = time.time()
     assert throttle.save_rate(ckpt, rank=0, now=now) == 3e6
     assert throttle.save_rate(ckpt, rank=1, now=now) == 1e6  # both apply: the slower

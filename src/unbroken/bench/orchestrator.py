@@ -72,6 +72,10 @@ class OrchestratorConfig:
         if self.max_restarts < 0:
             raise ValueError(f"max_restarts must be >= 0, got {self.max_restarts}")
 
+    def backoff_s(self, consecutive: int) -> float:
+        """CrashLoopBackOff: the delay before relaunch after ``consecutive`` earlier ones."""
+        return min(self.max_delay_s, self.restart_delay_s * (2**consecutive))
+
 
 @dataclass
 class OrchestratorResult:
@@ -198,7 +202,7 @@ def run_orchestrated(
             if attempt >= cfg.max_restarts:
                 ledger.emit(ev.JOB_END, status="failed", launches=attempt + 1)
                 return OrchestratorResult(1, attempt + 1, "".join(outputs))
-            delay = min(cfg.max_delay_s, cfg.restart_delay_s * (2**consecutive))
+            delay = cfg.backoff_s(consecutive)
             ledger.emit(ev.RESTART_BEGIN, layer="orchestrator", delay_s=delay, emulated=True)
             logger.info(
                 "emulated pod restart in %.2fs (CrashLoopBackOff step %d)", delay, consecutive
@@ -306,7 +310,7 @@ def run_node(
             if attempt >= cfg.max_restarts:
                 ledger.emit(ev.JOB_END, status="failed", launches=attempt + 1, emulated=True)
                 return OrchestratorResult(code, attempt + 1, "".join(outputs))
-            delay = min(cfg.max_delay_s, cfg.restart_delay_s * (2**consecutive))
+            delay = cfg.backoff_s(consecutive)
             ledger.emit(ev.RESTART_BEGIN, layer="orchestrator", delay_s=delay, emulated=True)
             logger.info("node lost: emulated pod restart in %.2fs", delay)
             time.sleep(delay)

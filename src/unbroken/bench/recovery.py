@@ -38,7 +38,7 @@ from unbroken.bench.orchestrator import (
     run_orchestrated,
     train_command,
 )
-from unbroken.faults import parse_plan
+from unbroken.faults import load_plan, parse_plan
 from unbroken.launcher.config import DEFAULT_PRELOAD
 from unbroken.ledger import goodput, read_events
 from unbroken.ledger.html import RunView, render
@@ -199,8 +199,6 @@ def _plan_size(plan: Path | None) -> int:
     """How many faults the plan fires (any world size: 0 without a plan)."""
     if plan is None:
         return 0
-    from unbroken.faults.plan import load_plan
-
     return len(load_plan(plan, world_size=1 << 16).faults)
 
 

@@ -341,29 +341,18 @@ class Checkpointer:
         """The memory tier (see ``memory``): the step restored, or None (then: disk), and the
         step each rank held in memory (None: nothing). Collective with a process group."""
         snap, self._adopted = self._adopted, None
-        mine = None
+        mine, pending = None, None
         if snap is not None and (snap.rank, snap.world_size) == (self.rank, self.world_size):
-            mine = snap.step
-        distributed = dist.is_available() and dist.is_initialized()
+            try:  # checked here, applied only if every rank can (one all-gather decides)
+                pending = memory.prepare(state, snap, rank=self.rank)
+                mine = snap.step
+            except memory.Mismatch as e:
+                logger.warning("in-memory snapshot of step %d does not fit: %s", snap.step, e)
         held: list[Any] = [mine]
-        if distributed:
+        if dist.is_available() and dist.is_initialized():
             held = [None] * self.world_size
             dist.all_gather_object(held, mine)
-            mine = held[0] if all(s == held[0] for s in held) else None
-        if mine is None:
-            return None, held
-        assert snap is not None
-        pending = None
-        try:
-            pending = memory.prepare(state, snap, rank=self.rank)
-        except memory.Mismatch as e:
-            logger.warning("in-memory snapshot of step %d does not fit; from disk: %s", mine, e)
-        ok = pending is not None
-        if distributed:  # every rank applies, or none does
-            oks: list[Any] = [None] * self.world_size
-            dist.all_gather_object(oks, ok)
-            ok = all(oks)
-        if not ok or pending is None:
+        if mine is None or pending is None or any(s != mine for s in held):
             return None, held
         pending.apply()
         if self.rank == 0:  # what the killed writers left, as a disk restore does
@@ -411,14 +400,7 @@ class Checkpointer:
         if self._writer is not None:
             self._writer.kill_nowait()
         try:
-            if self._stager is not None:  # a background copy ends before the arena is kept
-                self._jobs.put(None)
-                self._stager.join(timeout=30.0)
-                self._stager = None
-            if self.config.memory_tier and self._held is not None:
-                memory.keep(self.root, self._held)  # for the next iteration's restore
-                self._arena = Arena()
-            self._shutdown()
+            self._shutdown(keep_snapshot=self.config.memory_tier)
         except Exception:  # already unwinding from another error: do not mask it
             logger.exception("stopping the checkpoint writer")
 
@@ -665,14 +647,19 @@ class Checkpointer:
         self._emit(ev.CKPT_SKIP, step=step, reason=reason)
 
     # --- teardown and ledger -----------------------------------------------------------------
-    def _shutdown(self) -> None:
+    def _shutdown(self, *, keep_snapshot: bool = False) -> None:
+        """Stop staging and the writer and free the arena; with ``keep_snapshot`` (an abort)
+        the arena and its fully staged step go to the memory tier instead."""
         for handle in self._hooked.values():
             handle.remove()
         self._hooked.clear()
-        if self._stager is not None:
+        if self._stager is not None:  # a background copy ends before the arena is kept
             self._jobs.put(None)
             self._stager.join(timeout=30.0)
             self._stager = None
+        if keep_snapshot and self._held is not None:
+            memory.keep(self.root, self._held)  # for the next iteration's restore
+            self._arena = Arena()
         if self._writer is not None:
             self._writer.close()
         self._arena.close()

@@ -161,11 +161,7 @@ class WriterClient:
         self.spawn_ts = time.time()
         self.ready_ts: float | None = None
         """When the writer said it was ready (spawned, it imports torch first: seconds)."""
-        if start == "auto":
-            start = default_start()
-        if start not in ("fork", "spawn"):
-            raise ValueError(f"writer start must be 'fork', 'spawn' or 'auto', got {start!r}")
-        self.start = start
+        self.start = default_start() if start == "auto" else start  # checked by the config
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         args = [
             "--fd",
@@ -193,7 +189,7 @@ class WriterClient:
             args.append("--pdeathsig")
         self.proc: subprocess.Popen[bytes] | _ForkedProcess
         try:
-            if start == "fork":
+            if self.start == "fork":
                 self.proc = _ForkedProcess(_fork_writer(args, theirs.fileno()))
             else:
                 env = dict(os.environ)

@@ -16,8 +16,11 @@ from __future__ import annotations
 import json
 import logging
 import os
+import time
 import uuid
 from pathlib import Path
+
+from unbroken.checkpoint import layout
 
 logger = logging.getLogger(__name__)
 
@@ -26,6 +29,31 @@ CONTROL_DIR = ".storage-faults"
 
 def control_dir(root: Path) -> Path:
     return root / CONTROL_DIR
+
+
+def write_control(
+    root: Path,
+    *,
+    index: int,
+    ranks: list[int] | None,
+    bytes_per_s: float,
+    saves: int | None,
+    seconds: float | None,
+) -> Path:
+    """Durably write the control file of slow-storage fault ``index`` (ranks None: all)."""
+    now = time.time()
+    doc = {
+        "index": index,
+        "ranks": ranks,
+        "bytes_per_s": bytes_per_s,
+        "saves": saves,
+        "until": None if seconds is None else now + seconds,
+        "since": now,
+    }
+    path = control_dir(root) / f"slow-{index}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    layout.write_durable(path, json.dumps(doc).encode())
+    return path
 
 
 def _used_path(control: Path, rank: int) -> Path:

@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 from typing import Any, Protocol
 
+from unbroken.checkpoint import layout, throttle
 from unbroken.faults import node, oom, storage
 from unbroken.faults.plan import FaultPlan, FaultSpec
 
@@ -37,14 +38,6 @@ class EventSink(Protocol):
     def emit(self, kind: str, *, ts: float | None = None, **data: Any) -> Any: ...
 
     def flush(self, timeout_s: float = 5.0) -> bool: ...
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def fired_faults(run_dir: str | os.PathLike[str]) -> list[dict[str, Any]]:
@@ -118,7 +111,7 @@ class FaultInjector:
             os.fsync(fd)
         finally:
             os.close(fd)
-        _fsync_dir(self.fired_dir)
+        layout.fsync_dir(self.fired_dir)
         return True
 
     def _fire(self, spec: FaultSpec) -> None:
@@ -190,7 +183,7 @@ class FaultInjector:
             out["control"] = None
             out["reason"] = f"no checkpoint directory {self.ckpt_dir}: nothing to slow down"
             return out
-        path = storage.write_slow_control(
+        path = throttle.write_control(
             self.ckpt_dir,
             index=spec.index,
             ranks=targets,

@@ -1,99 +1,22 @@
-"""Storage faults on a checkpoint directory: slow writes, corrupted bytes.
+"""Checkpoint corruption: flipped bytes in the newest committed checkpoint.
 
-Faults import nothing else of ours, so the few on-disk names used here are written out; they
-are the contract of ``unbroken.checkpoint.layout`` and ``unbroken.checkpoint.throttle`` (a unit
-test checks that they agree):
-
-- ``<root>/step-N/`` with a ``COMMITTED`` marker is a committed checkpoint; in it,
-  ``__<rank>_0.distcp`` is a rank's data file and ``MANIFEST.json`` the manifest (CRC-32 of every
-  file, itself checksummed by the marker);
-- ``<root>/step-N.partial/`` is a save in flight, unless it holds an abandon marker
-  (``.abandoned``, ``.rank-R.skipped``, ``.rank-R.failed``);
-- ``<root>/.storage-faults/slow-<index>.json`` tells every checkpoint writer process, at the
-  start of each save, to throttle its writes (the writer counts the saves it throttled).
+The checkpoint's on-disk names come from ``unbroken.checkpoint.layout`` (which imports no
+torch); the slow-storage fault's control files are written by ``unbroken.checkpoint.throttle``,
+next to the writer's reading of them.
 """
 
 from __future__ import annotations
 
-import json
 import os
-import re
 import time
 from pathlib import Path
 from typing import Any
 
-COMMITTED = "COMMITTED"
-MANIFEST = "MANIFEST.json"
-CONTROL_DIR = ".storage-faults"
-_STEP_RE = re.compile(r"^step-(\d+)$")
-_PARTIAL_RE = re.compile(r"^step-(\d+)\.partial$")
+from unbroken.checkpoint import layout
+
 _FLIP_BYTES = 16
 _POLL_S = 0.01
-
-
-def data_file(rank: int) -> str:
-    return f"__{rank}_0.distcp"
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-# --- slow storage ----------------------------------------------------------------------------
-def slow_control_path(root: Path, index: int) -> Path:
-    return root / CONTROL_DIR / f"slow-{index}.json"
-
-
-def write_slow_control(
-    root: Path,
-    *,
-    index: int,
-    ranks: list[int] | None,
-    bytes_per_s: float,
-    saves: int | None,
-    seconds: float | None,
-) -> Path:
-    """Durably write the control file of slow-storage fault ``index`` (ranks None: all)."""
-    now = time.time()
-    doc = {
-        "index": index,
-        "ranks": ranks,
-        "bytes_per_s": bytes_per_s,
-        "saves": saves,
-        "until": None if seconds is None else now + seconds,
-        "since": now,
-    }
-    path = slow_control_path(root, index)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    try:
-        os.write(fd, json.dumps(doc).encode())
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(tmp, path)
-    _fsync_dir(path.parent)
-    return path
-
-
-# --- corruption ------------------------------------------------------------------------------
-def newest_committed(root: Path) -> Path | None:
-    """The committed checkpoint with the highest step under ``root``, or None."""
-    best: tuple[int, Path] | None = None
-    if not root.is_dir():
-        return None
-    for entry in os.scandir(root):
-        m = _STEP_RE.match(entry.name)
-        if m and os.path.exists(os.path.join(entry.path, COMMITTED)):
-            step = int(m.group(1))
-            if best is None or step > best[0]:
-                best = (step, Path(entry.path))
-    return None if best is None else best[1]
+_ENDING_MARKERS = (layout.ABANDONED, ".skipped", ".failed")
 
 
 def saves_in_flight(root: Path) -> list[str]:
@@ -102,13 +25,13 @@ def saves_in_flight(root: Path) -> list[str]:
     if not root.is_dir():
         return out
     for entry in os.scandir(root):
-        if not _PARTIAL_RE.match(entry.name):
+        if not entry.name.endswith(layout.PARTIAL_SUFFIX):
             continue
         try:
             names = os.listdir(entry.path)
         except FileNotFoundError:  # committed (renamed) meanwhile
             continue
-        if not any(n == ".abandoned" or n.endswith((".skipped", ".failed")) for n in names):
+        if not any(n.endswith(_ENDING_MARKERS) for n in names):
             out.append(entry.name)
     return sorted(out)
 
@@ -127,12 +50,13 @@ def corrupt_newest(root: Path, *, rank: int, target: str, settle_s: float) -> di
     pending = saves_in_flight(root)
     if pending:
         out["in_flight"] = pending
-    ckpt = newest_committed(root)
-    if ckpt is None:
+    steps = layout.committed_steps(root)
+    if not steps:
         out.update(checkpoint=None, file=None, reason=f"no committed checkpoint under {root}")
         return out
+    ckpt = layout.step_dir(root, steps[0])
     out["checkpoint"] = str(ckpt)
-    path = ckpt / (data_file(rank) if target == "data" else MANIFEST)
+    path = ckpt / (layout.data_file(rank) if target == "data" else layout.MANIFEST)
     try:
         fd = os.open(path, os.O_RDWR)
     except OSError as e:
