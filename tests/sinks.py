@@ -1,11 +1,13 @@
-"""A recording event sink for unit tests of code that takes a ledger as ``sink``."""
+"""A recording ledger for unit tests of code that takes a ``Recorder``."""
 
 from __future__ import annotations
 
 from typing import Any
 
+from unbroken.ledger import NullRecorder
 
-class Sink:
+
+class Sink(NullRecorder):
     """Keeps every ``emit`` as (kind, data) and counts ``flush`` calls."""
 
     def __init__(self) -> None:

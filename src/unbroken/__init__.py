@@ -1,7 +1,9 @@
 """unbroken: keeps PyTorch distributed training productive through faults.
 
 The public API. Importing ``unbroken`` does not import torch: names that need it load on
-first use.
+first use. Each name is re-exported from the package that owns it. Imports of ours:
+``unbroken.errors``, ``unbroken.env``, ``unbroken.ledger``, ``unbroken.checkpoint``,
+``unbroken.restart``, ``unbroken.launcher.client``.
 """
 
 from __future__ import annotations

@@ -11,13 +11,9 @@ from pathlib import Path
 from typing import Any
 
 from unbroken import __version__
+from unbroken.log import init_logging
 
 logger = logging.getLogger(__name__)
-
-
-def init_logging(level: int = logging.INFO) -> None:
-    """The one place logging is configured; only CLIs call it."""
-    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s [%(name)s] %(message)s")
 
 
 def _cmd_report(args: argparse.Namespace) -> int:

@@ -1,7 +1,9 @@
-"""Every environment variable a launcher hands a worker, named once.
+"""Every environment variable unbroken reads, named once, and the one place that reads them.
 
 The torchrun names are the contract with unmodified torchrun scripts and with Kubernetes
-operators; the ``UNBROKEN_*`` names are ours.
+operators; the ``UNBROKEN_*`` names are ours. Code elsewhere reads the process environment only
+through this module (``WorkerEnv``, ``HeartbeatEnv``, ``lookup``); building a child process's
+environment (``dict(os.environ, ...)``) is not reading it. Imports of ours: none.
 """
 
 from __future__ import annotations
@@ -71,6 +73,8 @@ class WorkerEnv:
     """Run directory handed down by ``unbroken-run``."""
     agent_pid: int | None = None
     """Pid of the ``unbroken-run`` agent that started this worker (None outside it)."""
+    store_addr: str | None = None
+    """``host:port`` of the job-long coordination store ``unbroken-run`` hosts (None outside)."""
 
     def __post_init__(self) -> None:
         if self.world_size < 1:
@@ -105,6 +109,7 @@ class WorkerEnv:
             use_agent_store=e.get(USE_AGENT_STORE) == "True",
             run_dir=Path(run_dir) if run_dir else None,
             agent_pid=_int(e, UNBROKEN_AGENT_PID, 0) or None,
+            store_addr=e.get(UNBROKEN_STORE_ADDR) or None,
         )
 
 
@@ -124,3 +129,68 @@ UNBROKEN_STORE_ADDR = "UNBROKEN_STORE_ADDR"
 """host:port of an agent-hosted TCPStore that lives for the whole job (coordination store)."""
 UNBROKEN_AGENT_PID = "UNBROKEN_AGENT_PID"
 """Pid of the node's agent: what a ``node-loss`` fault kills with every process below it."""
+
+# read by the launcher for itself
+PET_PREFIX = "PET_"
+"""torchrun's defaults for its own flags: ``PET_<DEST>`` (e.g. PET_NPROC_PER_NODE)."""
+PYTHON_EXEC = "PYTHON_EXEC"
+"""The interpreter of a cold-started worker (torchrun's name; default: this one)."""
+TORCH_DISABLE_SHARE_RDZV_TCP_STORE = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
+"""Set by the agent for torch: never hand workers the rendezvous store (stale peer keys)."""
+
+
+def lookup(name: str, default: str | None = None) -> str | None:
+    """The value of environment variable ``name`` in this process, or ``default``."""
+    return os.environ.get(name, default)
+
+
+def pet_default(dest: str) -> str | None:
+    """torchrun's environment default of the flag stored as ``dest`` (``PET_<DEST>``)."""
+    return os.environ.get(f"{PET_PREFIX}{dest.upper()}")
+
+
+def set_for_torch(name: str, value: str) -> None:
+    """Set ``name`` in this process's environment, where torch reads it."""
+    os.environ[name] = value
+
+
+@dataclass(frozen=True, kw_only=True)
+class HeartbeatEnv:
+    """Where a worker sends its heartbeats, as ``unbroken-run`` hands it down."""
+
+    host: str
+    """Host of the node agent's heartbeat monitor (UDP)."""
+    port: int
+    """Its port."""
+    rank: int
+    """This worker's global rank."""
+    local_rank: int
+    """Its rank on the node."""
+    round: int
+    """The restart round it was started in."""
+    interval_s: float
+    """Least seconds between two datagrams for the same step."""
+
+    @classmethod
+    def from_environ(cls, environ: Mapping[str, str] | None = None) -> HeartbeatEnv | None:
+        """None outside ``unbroken-run`` (no monitor address); ValueError for a bad value."""
+        e = os.environ if environ is None else environ
+        raw = e.get(UNBROKEN_HEARTBEAT_ADDR)
+        if not raw:
+            return None
+        host, _, port = raw.rpartition(":")
+        try:
+            interval_s = float(e.get(UNBROKEN_HEARTBEAT_INTERVAL_S, "0.5"))
+            port_num = int(port)
+        except ValueError:
+            raise ValueError(
+                f"{UNBROKEN_HEARTBEAT_ADDR}={raw!r} or {UNBROKEN_HEARTBEAT_INTERVAL_S} is malformed"
+            ) from None
+        return cls(
+            host=host or "127.0.0.1",
+            port=port_num,
+            rank=_int(e, RANK, 0),
+            local_rank=_int(e, LOCAL_RANK, 0),
+            round=_int(e, UNBROKEN_ROUND, 0),
+            interval_s=interval_s,
+        )

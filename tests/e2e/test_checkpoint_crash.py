@@ -15,18 +15,22 @@ from pathlib import Path
 import pytest
 import torch
 
-from procs import worker_env
+from hooks import paused_marker
+from procs import SRC, worker_env
 from unbroken.checkpoint import Checkpointer, layout
-from unbroken.checkpoint.writer import PAUSE_ENV
+from unbroken.checkpoint.hooks import POINTS
 
 pytestmark = pytest.mark.e2e
+
+TESTS = Path(__file__).resolve().parents[1]
 
 TRAINER = textwrap.dedent(
     """
     import sys, torch
+    from hooks import PauseAt
     from unbroken.checkpoint import Checkpointer
     w = torch.zeros(1 << 18)
-    with Checkpointer(sys.argv[1], keep=3) as ck:
+    with Checkpointer(sys.argv[1], keep=3, hooks=PauseAt(sys.argv[2], 2)) as ck:
         for step in (1, 2):
             w.fill_(step)
             ck.save(step, {"w": w})
@@ -43,16 +47,16 @@ def _gone(pid: int) -> bool:
     return state == "Z"
 
 
-@pytest.mark.parametrize("point", ["data", "done", "manifest", "renamed"])
+@pytest.mark.parametrize("point", POINTS)
 def test_kill_9_during_a_save_leaves_the_previous_checkpoint(tmp_path: Path, point: str) -> None:
     root = tmp_path / "ckpt"
     trainer = subprocess.Popen(
-        [sys.executable, "-c", TRAINER, str(root)],
-        env=worker_env(**{PAUSE_ENV: f"{point}@2"}),
+        [sys.executable, "-c", TRAINER, str(root), point],
+        env=worker_env(PYTHONPATH=os.pathsep.join([str(SRC), str(TESTS)])),
         start_new_session=True,
     )
     try:
-        marker = root / f".paused-{point}"
+        marker = paused_marker(root, point)
         deadline = time.monotonic() + 60
         while not marker.exists():
             assert trainer.poll() is None, f"trainer exited with {trainer.returncode}"

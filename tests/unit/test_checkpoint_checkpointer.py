@@ -15,7 +15,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from unbroken.checkpoint import Checkpointer, CheckpointError, PerRank, layout
-from unbroken.checkpoint import checkpointer as ckpt_mod
+from unbroken.checkpoint import staging as staging_mod
 from unbroken.ledger import Ledger, read_events
 from unbroken.ledger import events as ev
 
@@ -62,14 +62,14 @@ def test_a_checkpoint_holds_the_values_at_save_time(
     tmp_path: Path, overlap: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     if overlap:  # make the background copy slow, so only the optimizer hook protects it
-        real_copy = ckpt_mod.copy_into
+        real_copy = staging_mod.copy_into
 
         def slow_copy(arena: Any, pairs: Any) -> None:
             if threading.current_thread().name.startswith("unbroken-ckpt-stager"):
                 time.sleep(0.3)
             real_copy(arena, pairs)
 
-        monkeypatch.setattr(ckpt_mod, "copy_into", slow_copy)
+        monkeypatch.setattr(staging_mod, "copy_into", slow_copy)
     led = Ledger(tmp_path, run="t", rank=0)
     model, optim = _model(0)
     cursor, extra = Cursor(), torch.arange(6.0)

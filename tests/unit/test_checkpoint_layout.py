@@ -148,11 +148,11 @@ def test_the_coordinator_abandons_a_step_another_rank_skipped_or_failed(tmp_path
     part.mkdir()
     (part / layout.done_record(0)).write_bytes(b"x")
     with pytest.raises(TimeoutError, match=r"ranks \[1, 2\] did not finish"):
-        wait_for_ranks(part, world_size=3, deadline=0.0, pause=never)
+        wait_for_ranks(part, world_size=3, deadline=0.0, at=never)
     layout.write_marker(part / layout.skip_marker(2), {"reason": "busy"})
     with pytest.raises(Abandoned, match="rank-2 skipped this step"):
-        wait_for_ranks(part, world_size=3, deadline=1e12, pause=never)
+        wait_for_ranks(part, world_size=3, deadline=1e12, at=never)
     other = layout.partial_dir(tmp_path, 9)
     layout.write_marker(other / layout.fail_marker(1), {"error": "ENOSPC"})
     with pytest.raises(Abandoned, match="rank-1 failed.*ENOSPC"):
-        wait_for_ranks(other, world_size=2, deadline=1e12, pause=never)
+        wait_for_ranks(other, world_size=2, deadline=1e12, at=never)

@@ -15,8 +15,8 @@ from typing import Any
 import pytest
 
 from sinks import Sink
-from unbroken.checkpoint import layout, throttle
-from unbroken.faults import FaultInjector, parse_plan, storage
+from unbroken.checkpoint import layout
+from unbroken.faults import FaultInjector, parse_plan, storage, throttle
 from unbroken.ledger.events import CKPT_SKIP, FAULT_INJECTED, STEP, Event
 from unbroken.ledger.goodput import compute
 

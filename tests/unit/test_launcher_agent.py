@@ -19,6 +19,7 @@ from unbroken.launcher.monitor import HeartbeatTracker
 from unbroken.launcher.rendezvous import RoundInfo
 from unbroken.launcher.signals import AgentSignal
 from unbroken.launcher.workers import Events, WorkerExit
+from unbroken.ledger import NullRecorder
 
 NPROC = 2
 
@@ -119,10 +120,16 @@ class FakeWorkers:
         return self.pending.pop(0) if self.pending else None
 
 
-class FakeLedger:
+class FakeLedger(NullRecorder):
     def __init__(self) -> None:
         self.attempt = 0
         self.records: list[tuple[str, dict[str, Any]]] = []
+
+    def set_context(
+        self, *, rank: int | None = None, attempt: int | None = None, iteration: int | None = None
+    ) -> None:
+        if attempt is not None:
+            self.attempt = attempt
 
     def emit(self, kind: str, *, ts: float | None = None, **data: Any) -> None:
         self.records.append((kind, {"attempt": self.attempt, **data}))

@@ -22,13 +22,14 @@ per rank) to emulate slow shared storage, e.g. to reproduce the published regime
 The cores are shared by training and the background writers (and, on a shared machine, by
 whatever else runs); ``slowdown`` (loop time per step over a no-checkpoint run measured just
 before each mode) shows what background persistence costs the steps themselves.
+
+This file drives the benchmark (the parent, the worker's loop and its rows); the modes under
+test are in ``savers``.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
-import io
 import json
 import logging
 import math
@@ -41,12 +42,13 @@ import tempfile
 import time
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
+
+from unbroken.bench.savers import DcpAsync, DcpSync, Saver, UnbrokenSaver
 
 logger = logging.getLogger(__name__)
 
 MODES = ("none", "dcp-sync", "dcp-async", "unbroken", "unbroken-wait")
-_SLICE = 4 << 20
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -91,7 +93,8 @@ def _launch(world: int, cfg: dict[str, Any]) -> None:
     import torch.distributed as dist
 
     store = dist.TCPStore("127.0.0.1", 0, world + 1, is_master=True, wait_for_workers=False)
-    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", "1")
     src = str(Path(__file__).resolve().parents[2])
     env["PYTHONPATH"] = src + os.pathsep + env.get("PYTHONPATH", "")
     procs = []
@@ -140,219 +143,6 @@ def _fmt(value: float | None, spec: str, scale: float = 1.0) -> str:
     return "-" if value is None else format(value * scale, spec)
 
 
-# --- throttled storage for DCP's FileSystemWriter ---------------------------------------------
-class _ThrottledStream(io.RawIOBase):
-    """A file stream whose writes are capped at a rate (emulated slow storage)."""
-
-    def __init__(self, raw: Any, bytes_per_s: float) -> None:
-        super().__init__()
-        self._raw = raw
-        self._rate = bytes_per_s
-        self._t0 = time.monotonic()
-        self._n = 0
-
-    def writable(self) -> bool:
-        return True
-
-    def write(self, b: Any) -> int:
-        view = memoryview(b).cast("B")
-        for start in range(0, len(view), _SLICE):
-            chunk = view[start : start + _SLICE]
-            self._raw.write(chunk)
-            self._n += len(chunk)
-            ahead = self._t0 + self._n / self._rate - time.monotonic()
-            if ahead > 0:
-                time.sleep(ahead)
-        return len(view)
-
-    def tell(self) -> int:
-        return self._raw.tell()
-
-    def fileno(self) -> int:
-        return self._raw.fileno()
-
-    def flush(self) -> None:
-        self._raw.flush()
-
-
-def _dcp_writer(path: Path, throttle_mbps: float) -> Any:
-    from torch.distributed.checkpoint import FileSystemWriter
-    from torch.distributed.checkpoint.filesystem import FileSystem
-
-    writer = FileSystemWriter(path)
-    if throttle_mbps > 0:
-        rate = throttle_mbps * 1e6
-
-        class Throttled(FileSystem):
-            @contextlib.contextmanager
-            def create_stream(self, path: Any, mode: str) -> Any:
-                with super().create_stream(path, mode) as raw:
-                    yield _ThrottledStream(raw, rate) if "w" in mode else raw
-
-        writer.fs = Throttled()
-    return writer
-
-
-# --- the savers under test --------------------------------------------------------------------
-class _Saver:
-    """One checkpointing mode, driven by the loop: ``save`` at due steps, ``before_update``
-    before every optimizer step; both return the seconds the trainer was blocked."""
-
-    mode = "none"
-
-    def save(self, step: int) -> float:
-        return 0.0
-
-    def before_update(self) -> float:
-        return 0.0
-
-    def drain(self) -> None:
-        pass
-
-    def take(self) -> dict[str, Any]:
-        """Per-save stalls, persist times and skips since the last take."""
-        return {"stall_s": [], "persist_s": [], "skipped": 0, "staging_bytes": 0}
-
-    def close(self) -> None:
-        pass
-
-
-class _DcpSync(_Saver):
-    mode = "dcp-sync"
-
-    def __init__(self, ctx: _Ctx) -> None:
-        self.ctx = ctx
-        self.stalls: list[float] = []
-
-    def save(self, step: int) -> float:
-        import torch.distributed.checkpoint as dcp
-
-        t0 = time.perf_counter()
-        writer = _dcp_writer(self.ctx.root / self.mode / f"step-{step}", self.ctx.throttle)
-        dcp.save(self.ctx.state_dict(), storage_writer=writer)
-        dt = time.perf_counter() - t0
-        self.stalls.append(dt)
-        return dt
-
-    def take(self) -> dict[str, Any]:
-        out = {"stall_s": self.stalls, "persist_s": list(self.stalls), "skipped": 0}
-        self.stalls = []
-        return {**out, "staging_bytes": 0}
-
-
-class _DcpAsync(_Saver):
-    mode = "dcp-async"
-
-    def __init__(self, ctx: _Ctx) -> None:
-        import torch.distributed as dist
-        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-
-        self.ctx = ctx
-        # CPU: no pinned or shared memory, no non-blocking copies; staging on a thread.
-        self.stager = DefaultStager(StagingOptions(False, False, True, False))
-        # The upload thread runs collectives: never on the training loop's group.
-        self.pg = dist.new_group(backend="gloo") if dist.is_initialized() else None
-        self.resp: Any = None
-        self.started = 0.0
-        self.stalls: list[float] = []
-        self.persist: list[float] = []
-        self._done_ts = 0.0
-
-    def _finish_previous(self) -> None:
-        if self.resp is not None:
-            self.resp.upload_completion.result()
-            self.persist.append(self._done_ts - self.started)
-            self.resp = None
-
-    def save(self, step: int) -> float:
-        import torch.distributed.checkpoint as dcp
-
-        t0 = time.perf_counter()
-        self._finish_previous()  # at most one save in flight
-        writer = _dcp_writer(self.ctx.root / self.mode / f"step-{step}", self.ctx.throttle)
-        self.started = time.perf_counter()
-        self.resp = dcp.async_save(
-            self.ctx.state_dict(),
-            storage_writer=writer,
-            async_stager=self.stager,
-            process_group=self.pg,
-        )
-        self.resp.upload_completion.add_done_callback(self._mark_done)
-        dt = time.perf_counter() - t0
-        self.stalls.append(dt)
-        return dt
-
-    def _mark_done(self, _fut: Any) -> None:
-        self._done_ts = time.perf_counter()
-
-    def before_update(self) -> float:
-        if self.resp is None or self.resp.staging_completion.done():
-            return 0.0
-        t0 = time.perf_counter()
-        self.resp.staging_completion.result()
-        dt = time.perf_counter() - t0
-        self.stalls[-1] += dt
-        return dt
-
-    def drain(self) -> None:
-        self._finish_previous()
-
-    def take(self) -> dict[str, Any]:
-        out = {"stall_s": self.stalls, "persist_s": self.persist, "skipped": 0}
-        self.stalls, self.persist = [], []
-        return {**out, "staging_bytes": 0}
-
-    def close(self) -> None:
-        self.drain()
-        self.stager.close()
-
-
-class _Unbroken(_Saver):
-    def __init__(self, ctx: _Ctx, *, on_busy: str) -> None:
-        from unbroken.checkpoint import Checkpointer
-
-        self.mode = "unbroken" if on_busy == "skip" else "unbroken-wait"
-        self.ctx = ctx
-        self.ck = Checkpointer(
-            ctx.root / self.mode,
-            overlap=True,
-            on_busy=on_busy,
-            throttle_mbps=ctx.throttle,
-            keep=2,
-        )
-        self._seen = self.ck.stats()
-
-    def save(self, step: int) -> float:
-        before = self.ck.stats().blocking_s
-        self.ck.save(step, self.ctx.state)
-        return self.ck.stats().blocking_s - before
-
-    def before_update(self) -> float:
-        return 0.0  # the optimizer pre-hook waits; counted in the Checkpointer's stats
-
-    def drain(self) -> None:
-        self.ck.wait()
-
-    def take(self) -> dict[str, Any]:
-        now = self.ck.stats()
-        old = self._seen
-        self._seen = now
-        persist = now.persist_s[len(old.persist_s) :]
-        commits = now.commit_s[len(old.commit_s) :]
-        if commits:  # rank 0: the writer is busy until the commit
-            persist = [p + c for p, c in zip(persist, commits, strict=False)]
-        return {
-            "stall_s": now.stall_s[len(old.stall_s) :],
-            "persist_s": persist,
-            "skipped": now.skipped - old.skipped,
-            "blocking_s": now.blocking_s - old.blocking_s,
-            "staging_bytes": self.ck._arena.size,
-        }
-
-    def close(self) -> None:
-        self.ck.close()
-
-
 # --- the worker ---------------------------------------------------------------------------------
 class _Ctx:
     def __init__(self, cfg: dict[str, Any]) -> None:
@@ -376,7 +166,7 @@ class _Ctx:
         self.throttle = float(cfg["throttle_mbps"])
         self.root = Path(cfg["root"])
         mcfg = wmodel.get_config(cfg["model"])
-        parallel = "fsdp" if self.world > 1 else "none"
+        parallel: Literal["fsdp", "none"] = "fsdp" if self.world > 1 else "none"
         self.model = wrap_model(wmodel.build_model(mcfg, seed=0), parallel=parallel, device="cpu")
         self.optim = torch.optim.AdamW(self.model.parameters(), lr=1e-4)
         lang = wdata.MarkovLanguage(mcfg.vocab_size, seed=0)
@@ -450,7 +240,7 @@ def _memcpy_s(nbytes: int) -> float:
     return statistics.median(times)
 
 
-def _loop(ctx: _Ctx, saver: _Saver, *, interval: int, steps: int) -> dict[str, Any]:
+def _loop(ctx: _Ctx, saver: Saver, *, interval: int, steps: int) -> dict[str, Any]:
     ctx.barrier()
     blocking = 0.0
     t0 = time.perf_counter()
@@ -501,13 +291,13 @@ def worker(cfg: dict[str, Any]) -> None:
     rows: list[dict[str, Any]] = []
 
     calib_steps = 6
-    base = _loop(ctx, _Saver(), interval=0, steps=calib_steps)
+    base = _loop(ctx, Saver(), interval=0, steps=calib_steps)
     step_s = ctx.reduce_max(base["loop_s"] / calib_steps)
-    savers: dict[str, _Saver] = {
-        "dcp-sync": _DcpSync(ctx),
-        "dcp-async": _DcpAsync(ctx),
-        "unbroken": _Unbroken(ctx, on_busy="skip"),
-        "unbroken-wait": _Unbroken(ctx, on_busy="wait"),
+    savers: dict[str, Saver] = {
+        "dcp-sync": DcpSync(ctx),
+        "dcp-async": DcpAsync(ctx),
+        "unbroken": UnbrokenSaver(ctx, on_busy="skip"),
+        "unbroken-wait": UnbrokenSaver(ctx, on_busy="wait"),
     }
     # Warm every saver (writer processes started, staging memory allocated) and take the
     # persist time P of one unbroken save to pick the intervals.
@@ -527,11 +317,11 @@ def worker(cfg: dict[str, Any]) -> None:
     saves = int(cfg["saves"])
     extra = {"memcpy_s": memcpy_s, "state_bytes": state_bytes, "persist_probe_s": persist_probe}
     for mode in MODES:
-        saver = savers.get(mode, _Saver())
+        saver = savers.get(mode, Saver())
         # A no-checkpoint baseline right before each mode: the step time its slowdown is
         # measured against (other load on a shared machine drifts over minutes).
         base_steps = intervals[0] * saves + 1
-        base = _loop(ctx, _Saver(), interval=0, steps=base_steps)
+        base = _loop(ctx, Saver(), interval=0, steps=base_steps)
         none_step_s = ctx.reduce_max(base["loop_s"] / base_steps)
         if mode == "none":
             rows.append(
@@ -570,9 +360,9 @@ def worker(cfg: dict[str, Any]) -> None:
 
 
 if __name__ == "__main__":
-    logging.basicConfig(
-        level=logging.INFO, format="%(asctime)s %(levelname)s [%(name)s] %(message)s"
-    )
+    from unbroken.log import init_logging
+
+    init_logging()
     if len(sys.argv) == 3 and sys.argv[1] == "--worker":
         worker(json.loads(sys.argv[2]))
         sys.exit(0)

@@ -1,13 +1,16 @@
 """Asynchronous sharded checkpoints with atomic, verified commits.
 
 Owns: resolving a training state into DCP write items (``resolve``), the shared staging arena
-(``arena``), the persistent per-rank writer process (``writer``, ``client``, ``protocol``), the
-on-disk layout, commit protocol and retention (``layout``, ``commit``), restore
-(``restore``), and the slow-storage fault's control files the writer obeys (``throttle``). ``Checkpointer`` (``checkpointer``) ties them together.
+and the copy into it (``arena``, ``staging``), the save in flight and its persistent per-rank
+writer process (``inflight``, ``writer``, ``client``, ``protocol``), the hooks fault injection
+and tests hand that process (``hooks``), the on-disk layout, commit protocol and retention
+(``layout``, ``commit``), restore and the memory tier (``restore``, ``memory``).
+``Checkpointer`` (``checkpointer``) ties them together.
 
-Imports torch, ``unbroken.ledger`` (event kinds) and ``unbroken.errors``; nothing else of ours.
-Names are loaded lazily so that the writer process (``python -m unbroken.checkpoint.writer``)
-arms its parent-death signal before it imports torch.
+Imports torch. Names are loaded lazily so that the writer process (``python -m
+unbroken.checkpoint.writer``) arms its parent-death signal before it imports torch; ``layout``
+and ``hooks`` never import torch (fault injection uses them). Imports of ours:
+``unbroken.errors``, ``unbroken.log``, ``unbroken.ledger``.
 """
 
 from __future__ import annotations
@@ -16,15 +19,25 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from unbroken.checkpoint.checkpointer import Checkpointer, CheckpointStats
+    from unbroken.checkpoint.checkpointer import Checkpointer
     from unbroken.checkpoint.config import CheckpointConfig, CheckpointError
+    from unbroken.checkpoint.hooks import WriterHooks
+    from unbroken.checkpoint.inflight import CheckpointStats
     from unbroken.checkpoint.resolve import PerRank
 
-__all__ = ["CheckpointConfig", "CheckpointError", "CheckpointStats", "Checkpointer", "PerRank"]
+__all__ = [
+    "CheckpointConfig",
+    "CheckpointError",
+    "CheckpointStats",
+    "Checkpointer",
+    "PerRank",
+    "WriterHooks",
+]
 
 _WHERE = {
     "Checkpointer": "checkpointer",
-    "CheckpointStats": "checkpointer",
+    "CheckpointStats": "inflight",
+    "WriterHooks": "hooks",
     "CheckpointConfig": "config",
     "CheckpointError": "config",
     "PerRank": "resolve",

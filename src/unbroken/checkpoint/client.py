@@ -34,10 +34,10 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from unbroken.checkpoint import protocol
-from unbroken.checkpoint.config import CheckpointError
+from unbroken.checkpoint.config import CheckpointError, WriterStart
 
 logger = logging.getLogger(__name__)
 
@@ -132,7 +132,7 @@ class _ForkedProcess:
                 os.kill(self.pid, signal.SIGKILL)
 
 
-def default_start() -> str:
+def default_start() -> Literal["fork", "spawn"]:
     """``fork`` when this process has torch in memory (a trainer), else ``spawn``."""
     return "fork" if "torch" in sys.modules and hasattr(os, "fork") else "spawn"
 
@@ -150,7 +150,7 @@ class WriterClient:
         commit_timeout_s: float,
         throttle_bytes_per_s: float,
         nice: int,
-        start: str = "auto",
+        start: WriterStart = "auto",
         on_message: Callable[[dict[str, Any]], None],
         on_death: Callable[[str], None],
     ) -> None:

@@ -40,10 +40,11 @@ class Abandoned(Exception):
 
 
 def wait_for_ranks(
-    part: Path, *, world_size: int, deadline: float, pause: Callable[[str], None]
+    part: Path, *, world_size: int, deadline: float, at: Callable[[str], None]
 ) -> list[dict[str, Any]]:
     """Wait for every rank's done record; raise Abandoned when a rank skipped or failed the
-    step, TimeoutError past ``deadline`` (epoch seconds)."""
+    step, TimeoutError past ``deadline`` (epoch seconds). Calls ``at("done")`` (a hook
+    point, see ``hooks``) once every record is in."""
     wanted = {layout.done_record(r) for r in range(world_size)}
     while True:
         names = set(os.listdir(part))
@@ -56,7 +57,7 @@ def wait_for_ranks(
             missing = sorted(int(n.split("-")[1].split(".")[0]) for n in wanted - names)
             raise TimeoutError(f"ranks {missing} did not finish writing {part.name} in time")
         time.sleep(POLL_S)
-    pause("done")
+    at("done")
     return [pickle.loads((part / layout.done_record(r)).read_bytes()) for r in range(world_size)]
 
 
@@ -123,10 +124,11 @@ def publish(
     step: int,
     records: list[dict[str, Any]],
     keep: int,
-    pause: Callable[[str], None],
+    at: Callable[[str], None],
 ) -> list[str]:
     """Write ``.metadata`` and the manifest into ``step-N.partial``, rename it to ``step-N``,
-    write ``COMMITTED``, fsync, and apply retention. Returns the names retention removed."""
+    write ``COMMITTED``, fsync, and apply retention. Returns the names retention removed.
+    Calls ``at("manifest")`` before the rename and ``at("renamed")`` before ``COMMITTED``."""
     part = layout.partial_dir(root, step)
     final = layout.step_dir(root, step)
     md = build_metadata(records, checkpoint_id=str(final))
@@ -139,11 +141,11 @@ def publish(
     for r in range(len(records)):  # merged into .metadata; not part of the DCP directory
         (part / layout.done_record(r)).unlink(missing_ok=True)
     layout.fsync_dir(part)
-    pause("manifest")
+    at("manifest")
     layout.move_aside(final)
     os.rename(part, final)
     layout.fsync_dir(root)
-    pause("renamed")
+    at("renamed")
     layout.write_durable(
         final / layout.COMMITTED,
         layout.committed_bytes(step=step, manifest_crc32=manifest_crc),

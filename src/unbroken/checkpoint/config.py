@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal, get_args
 
 from unbroken.errors import UnbrokenError
 
-MODES = ("async", "sync")
-ON_BUSY = ("skip", "wait")
+Mode = Literal["async", "sync"]
+OnBusy = Literal["skip", "wait"]
+WriterStart = Literal["auto", "fork", "spawn"]
+MODES: tuple[Mode, ...] = get_args(Mode)
+ON_BUSY: tuple[OnBusy, ...] = get_args(OnBusy)
+WRITER_STARTS: tuple[WriterStart, ...] = get_args(WriterStart)
 
 
 class CheckpointError(UnbrokenError):
@@ -22,9 +27,9 @@ class CheckpointConfig:
     """``maybe_save`` saves after every this many completed steps; 0: only explicit ``save``."""
     keep: int = 2
     """Committed checkpoints to keep (the newest ones); at least 1."""
-    mode: str = "async"
+    mode: Mode = "async"
     """"async": ``save`` returns once the state is staged; "sync": once it is committed."""
-    on_busy: str = "skip"
+    on_busy: OnBusy = "skip"
     """When a save comes while the previous one still persists: "skip" drops the new save
     (recorded as ``ckpt_skip``); "wait" blocks until the previous one is done (recorded as
     blocking time). Default "skip": blocking the trainer on storage is what made the published
@@ -38,7 +43,7 @@ class CheckpointConfig:
     eager_writer: bool = True
     """Start the writer process with the Checkpointer, so that it imports torch (seconds)
     while the trainer builds and restores; False: at the first save (restore-only use)."""
-    writer_start: str = "auto"
+    writer_start: WriterStart = "auto"
     """How the writer process starts: "fork" (of the trainer: ready in milliseconds, torch is
     already loaded), "spawn" (a fresh interpreter that imports torch: seconds, competing with
     training for the cores), "auto": fork where the trainer has torch loaded."""
@@ -76,9 +81,9 @@ class CheckpointConfig:
             raise ValueError(
                 f"writer_start_timeout_s must be > 0, got {self.writer_start_timeout_s}"
             )
-        if self.writer_start not in ("auto", "fork", "spawn"):
+        if self.writer_start not in WRITER_STARTS:
             raise ValueError(
-                f"writer_start must be 'auto', 'fork' or 'spawn', got {self.writer_start!r}"
+                f"writer_start must be one of {WRITER_STARTS}, got {self.writer_start!r}"
             )
         if not 0 <= self.writer_nice <= 19:
             raise ValueError(f"writer_nice must be in [0, 19], got {self.writer_nice}")

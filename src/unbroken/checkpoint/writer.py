@@ -11,6 +11,9 @@ it then waits for every rank's record and publishes the checkpoint (``commit.pub
 
 It never outlives its trainer: PR_SET_PDEATHSIG kills it with its parent, a watchdog thread
 exits when the parent pid changes, and the main loop exits at the socket's end of stream.
+
+Fault and test hooks (``hooks.WriterHooks``) come from the trainer as a message; the writer
+reads no control file or environment variable of its own.
 """
 
 from __future__ import annotations
@@ -32,15 +35,12 @@ import zlib
 from pathlib import Path
 from typing import Any
 
-from unbroken.checkpoint import layout, protocol, throttle  # none imports torch
+from unbroken.checkpoint import layout, protocol  # none imports torch
+from unbroken.checkpoint.hooks import NO_HOOKS, WriterHooks
+from unbroken.log import init_logging
 
 logger = logging.getLogger("unbroken.checkpoint.writer")
 
-# Test hook, "<point>@<step>": at that point of that step's save, write
-# "<root>/.paused-<point>" (holding this pid) and sleep until killed. Points: data (half the
-# data file written), done (rank 0: every done record in), manifest (before the rename),
-# renamed (before COMMITTED).
-PAUSE_ENV = "UNBROKEN_CKPT_TEST_PAUSE"
 _PR_SET_PDEATHSIG = 1
 _WRITE_SLICE = 4 << 20
 _ABORT_CHECK_BYTES = 64 << 20
@@ -126,7 +126,7 @@ class Writer:
         self.world_size = args.world_size
         self.mm: mmap.mmap | None = None
         self.layouts: dict[int, list[tuple[Any, Any]]] = {}
-        self.pause_at = os.environ.get(PAUSE_ENV, "")
+        self.hooks: WriterHooks = NO_HOOKS
         self.step = -1
 
     # --- messages ----------------------------------------------------------------------------
@@ -145,6 +145,8 @@ class Writer:
                 self._map(fds[0], msg["size"])
             elif kind == "layout":
                 self.layouts = {msg["layout_id"]: msg["entries"]}
+            elif kind == "hooks":
+                self.hooks = msg["hooks"]
             elif kind == "save":
                 self._save(msg)
             elif kind == "close":
@@ -158,15 +160,9 @@ class Writer:
         self.mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         os.close(fd)
 
-    def pause(self, point: str) -> None:
-        if self.pause_at != f"{point}@{self.step}":
-            return
-        marker = self.root / f".paused-{point}"
-        tmp = marker.with_name(f"{marker.name}.tmp-{os.getpid()}")
-        tmp.write_text(str(os.getpid()))
-        os.replace(tmp, marker)  # whole: a watcher may read it the moment it exists
-        while True:
-            time.sleep(1.0)
+    def at(self, point: str) -> None:
+        """A point of the commit protocol (``hooks.POINTS``) in the save of ``self.step``."""
+        self.hooks.at(point, root=self.root, step=self.step)
 
     # --- one save ----------------------------------------------------------------------------
     def _save(self, msg: dict[str, Any]) -> None:
@@ -205,10 +201,10 @@ class Writer:
         try:
             deadline = begin + self.args.commit_timeout_s
             records = commit.wait_for_ranks(
-                part, world_size=self.world_size, deadline=deadline, pause=self.pause
+                part, world_size=self.world_size, deadline=deadline, at=self.at
             )
             removed = commit.publish(
-                self.root, step=step, records=records, keep=self.args.keep, pause=self.pause
+                self.root, step=step, records=records, keep=self.args.keep, at=self.at
             )
         except commit.Abandoned as e:
             layout.write_marker(part / layout.ABANDONED, {"reason": str(e)})
@@ -275,7 +271,7 @@ class Writer:
             half = len(entries) // 2
             for i, (wi, slot) in enumerate(entries):
                 if i == half:
-                    self.pause("data")
+                    self.at("data")
                 offset = stream.tell()
                 assert self.mm is not None
                 # A tensor whose storage is exactly this slot, so torch.save writes only it.
@@ -307,14 +303,10 @@ class Writer:
         }
 
     def _rate(self) -> float:
-        """This save's write-rate cap in bytes/s (0: none): the configured one, lowered by any
-        slow-storage fault in force (read at the start of every save)."""
+        """This save's write-rate cap in bytes/s (0: none): the configured one, lowered by the
+        hooks' cap for this save (a slow-storage fault in force)."""
         rate = float(self.args.throttle_bytes_per_s)
-        try:
-            slow = throttle.save_rate(self.root, rank=self.rank, now=time.time())
-        except OSError as e:
-            logger.warning("cannot read the slow-storage control files: %s", e)
-            slow = None
+        slow = self.hooks.save_rate(root=self.root, rank=self.rank, step=self.step)
         if slow is not None:
             logger.warning(
                 "rank %d: storage slowed to %.2f MB/s by a slow-storage fault (step %d)",
@@ -350,9 +342,7 @@ def main(argv: list[str] | None = None) -> int:
     _die_with_parent(args.parent_pid, pdeathsig=args.pdeathsig)
     if args.nice:
         os.nice(args.nice)
-    logging.basicConfig(
-        level=logging.WARNING, format="%(asctime)s %(levelname)s [%(name)s] %(message)s"
-    )
+    init_logging(logging.WARNING)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the trainer, which closes us
     sock = socket.socket(fileno=args.fd)
     try:

@@ -19,25 +19,19 @@ import os
 import signal
 import time
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
-from unbroken.checkpoint import layout, throttle
-from unbroken.faults import node, oom, storage
+from unbroken.checkpoint import layout
+from unbroken.faults import node, oom, storage, throttle
 from unbroken.faults.plan import FaultPlan, FaultSpec
+from unbroken.ledger import NULL, Recorder
+from unbroken.ledger import events as ev
 
 logger = logging.getLogger(__name__)
 
 
 class InjectedFault(RuntimeError):
     """The exception raised by an ``exception`` fault."""
-
-
-class EventSink(Protocol):
-    """What the injector needs of a ledger (``unbroken.ledger.Ledger`` fits)."""
-
-    def emit(self, kind: str, *, ts: float | None = None, **data: Any) -> Any: ...
-
-    def flush(self, timeout_s: float = 5.0) -> bool: ...
 
 
 def fired_faults(run_dir: str | os.PathLike[str]) -> list[dict[str, Any]]:
@@ -67,7 +61,7 @@ class FaultInjector:
         *,
         run_dir: str | os.PathLike[str],
         rank: int,
-        sink: EventSink | None = None,
+        sink: Recorder = NULL,
         ckpt_dir: str | os.PathLike[str] | None = None,
         agent_pid: int | None = None,
         corruption_settle_s: float = 10.0,
@@ -81,6 +75,14 @@ class FaultInjector:
         """How long a checkpoint-corruption waits for saves in flight to commit first."""
         self.fired_dir = Path(run_dir) / "faults" / "fired"
         self.fired_dir.mkdir(parents=True, exist_ok=True)
+
+    def writer_hooks(self) -> throttle.SlowStorage | None:
+        """The checkpoint writer hooks this plan needs (``Checkpointer(hooks=...)``): the
+        slow-storage ones when the plan holds a slow-storage fault (it may target any rank),
+        else None."""
+        if any(f.kind == "slow-storage" for f in self.plan.faults):
+            return throttle.SlowStorage()
+        return None
 
     def fired(self) -> list[int]:
         """Indices of the faults already fired in this run (by any process)."""
@@ -131,16 +133,15 @@ class FaultInjector:
                 extra["found_by"] = victims.how
         if not spec.disruptive:
             extra["disruptive"] = False
-        if self.sink is not None:
-            try:
-                self.sink.emit(
-                    "fault_injected", fault=spec.kind, step=spec.step, index=spec.index, **extra
-                )
-                self.sink.flush()
-            except BaseException:
-                if victims is not None:  # its agent is stopped: never leave it so
-                    node.lose(victims)
-                raise
+        try:
+            self.sink.emit(
+                ev.FAULT_INJECTED, fault=spec.kind, step=spec.step, index=spec.index, **extra
+            )
+            self.sink.flush()
+        except BaseException:
+            if victims is not None:  # its agent is stopped: never leave it so
+                node.lose(victims)
+            raise
         if spec.kind == "slow-storage":
             return  # nothing dies: training goes on over slow storage
         if spec.kind == "exception":

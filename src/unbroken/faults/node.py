@@ -19,6 +19,8 @@ import signal
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from unbroken import env as uenv
+
 # Parent command lines recognised as a launcher agent when no agent pid is handed down.
 _AGENT_MARKERS = (
     "torchrun",
@@ -27,8 +29,6 @@ _AGENT_MARKERS = (
     "unbroken-run",
     "unbroken.launcher",
 )
-# torchrun's variable for its workers (see unbroken.env.RUN_ID): a worker under some agent.
-_LAUNCHED_ENV = "TORCHELASTIC_RUN_ID"
 
 
 @dataclass
@@ -96,7 +96,7 @@ def find_node(agent_pid: int | None) -> Node:
     agent, how = None, ""
     if agent_pid is not None and agent_pid in ancestors and agent_pid != 1:
         agent, how = agent_pid, "env"
-    elif os.environ.get(_LAUNCHED_ENV) and ancestors and ancestors[0] != 1:
+    elif uenv.lookup(uenv.RUN_ID) and ancestors and ancestors[0] != 1:  # under some agent
         parent = ancestors[0]
         if any(marker in _cmdline(parent) for marker in _AGENT_MARKERS):
             agent, how = parent, "parent"

@@ -31,12 +31,26 @@ import random as _random
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, cast, get_args
 
 import yaml
 
-# kind -> what it does (shown by `unbroken faults show`)
-KINDS: dict[str, str] = {
+FaultKind = Literal[
+    "exception",
+    "sigkill",
+    "sigterm",
+    "hang",
+    "hang-collective",
+    "hang-native",
+    "segfault",
+    "oom-kill",
+    "slow-storage",
+    "checkpoint-corruption",
+    "node-loss",
+]
+
+# kind -> what it does (shown by `unbroken faults show`), in FaultKind's order
+KINDS: dict[FaultKind, str] = {
     "exception": "raise InjectedFault in the training loop",
     "sigkill": "the rank's process kills itself with SIGKILL",
     "sigterm": "the rank's process sends itself SIGTERM",
@@ -70,6 +84,8 @@ KINDS: dict[str, str] = {
         "its warm pool, every worker and checkpoint writer; the orchestrator must relaunch it"
     ),
 }
+
+assert tuple(KINDS) == get_args(FaultKind), "KINDS describes every FaultKind, in order"
 
 NON_DISRUPTIVE = frozenset({"slow-storage"})
 """Kinds that end no process: nothing restarts, so goodput counts no outage for them (their
@@ -156,7 +172,7 @@ class FaultSpec:
     """Fires after this step completes on ``rank``."""
     rank: int
     """Global rank that suffers the fault."""
-    kind: str
+    kind: FaultKind
     """One of KINDS."""
     params: Mapping[str, Any] = field(default_factory=dict)
     """Kind-specific parameters (extra keys of the entry)."""
@@ -315,7 +331,7 @@ def parse_plan(obj: Any, *, source: str = "plan", world_size: int | None = None)
                 index=i,
                 step=entry["step"],
                 rank=entry["rank"],
-                kind=str(entry["kind"]),
+                kind=cast(FaultKind, str(entry["kind"])),  # checked by FaultSpec
                 params=params,
             )
         except ValueError as e:

@@ -1,8 +1,7 @@
 """Checkpoint corruption: flipped bytes in the newest committed checkpoint.
 
 The checkpoint's on-disk names come from ``unbroken.checkpoint.layout`` (which imports no
-torch); the slow-storage fault's control files are written by ``unbroken.checkpoint.throttle``,
-next to the writer's reading of them.
+torch); the slow-storage fault lives in ``throttle``.
 """
 
 from __future__ import annotations

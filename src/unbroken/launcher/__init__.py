@@ -5,9 +5,10 @@ rendezvous and worker store, the warm process pool (zygote), the heartbeat monit
 worker-side client, and the launcher's error file. Builds on torch.distributed.elastic's c10d
 rendezvous.
 
-Imports from unbroken: ``env``, ``errors`` and ``ledger`` only. The worker-side client
-(``client``) imports nothing but the standard library and ``unbroken.env``, so a training step
-can call it cheaply; importing this package does not import torch.
+The worker-side client (``client``) imports nothing but the standard library and
+``unbroken.env``, so a training step can call it cheaply; importing this package does not
+import torch. Imports of ours: ``unbroken.errors``, ``unbroken.env``, ``unbroken.log``,
+``unbroken.ledger``.
 """
 
 from unbroken.launcher.client import heartbeat

@@ -38,6 +38,7 @@ from unbroken.launcher.monitor import HeartbeatTracker
 from unbroken.launcher.rendezvous import RoundInfo
 from unbroken.launcher.signals import AgentSignal
 from unbroken.launcher.workers import Events, WorkerExit
+from unbroken.ledger import NULL, Recorder
 from unbroken.ledger import events as ev
 
 logger = logging.getLogger(__name__)
@@ -66,15 +67,6 @@ class WorkersPort(Protocol):
     def state_of(self, local_rank: int) -> str | None: ...
 
 
-class LedgerPort(Protocol):
-    attempt: int
-
-    def emit(self, kind: str, *, ts: float | None = None, **data: Any) -> Any: ...
-    def interval(
-        self, kind: str, *, begin: float, end: float | None = None, **data: Any
-    ) -> None: ...
-
-
 class Agent:
     """Runs one node's part of the job to completion; ``run()`` returns the exit code."""
 
@@ -86,7 +78,7 @@ class Agent:
         rdzv: RendezvousPort,
         workers: WorkersPort,
         tracker: HeartbeatTracker,
-        ledger: LedgerPort | None,
+        ledger: Recorder = NULL,
         run_dir: Path,
         run_id: str,
         state_file: Path | None = None,
@@ -121,12 +113,10 @@ class Agent:
         return -1 if self.info is None else self.info.round
 
     def _emit(self, kind: str, *, ts: float | None = None, **data: Any) -> None:
-        if self.ledger is not None:
-            self.ledger.emit(kind, ts=ts, **data)
+        self.ledger.emit(kind, ts=ts, **data)
 
     def _interval(self, begin: float, **data: Any) -> None:
-        if self.ledger is not None:
-            self.ledger.interval(ev.PHASE, begin=begin, end=self.wall(), **data)
+        self.ledger.interval(ev.PHASE, begin=begin, end=self.wall(), **data)
 
     def _signal_failure(self, signum: int) -> Failure:
         return failures_.of_signal(signum, ts=self.wall(), round_=self.round)
@@ -185,8 +175,7 @@ class Agent:
         finally:
             self.workers.interruptible(False)
         self.info = info
-        if self.ledger is not None:
-            self.ledger.attempt = info.round
+        self.ledger.set_context(attempt=info.round)
         self._interval(
             begin,
             name="rendezvous",

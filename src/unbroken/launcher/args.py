@@ -17,11 +17,13 @@ import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, get_args
 
+from unbroken import env as uenv
 from unbroken.launcher import config as lconfig
 
-ENTRY_KINDS = ("script", "module", "command")
+EntryKind = Literal["script", "module", "command"]
+ENTRY_KINDS: tuple[EntryKind, ...] = get_args(EntryKind)
 # Flags torchrun has that unbroken-run accepts for compatibility and ignores (with a warning).
 IGNORED = (
     "event_log_handler",
@@ -47,7 +49,8 @@ class _Env(argparse.Action):
         required: bool = False,
         **kwargs: Any,
     ) -> None:
-        default = os.environ.get(f"PET_{dest.upper()}", default)
+        pet = uenv.pet_default(dest)
+        default = default if pet is None else pet
         super().__init__(
             option_strings, dest, default=default, required=required and not default, **kwargs
         )
@@ -68,7 +71,8 @@ class _CheckEnv(argparse.Action):
     def __init__(
         self, option_strings: Sequence[str], dest: str, default: bool = False, **kwargs: Any
     ) -> None:
-        default = bool(int(os.environ.get(f"PET_{dest.upper()}", "1" if default else "0")))
+        pet = uenv.pet_default(dest)
+        default = bool(int(("1" if default else "0") if pet is None else pet))
         super().__init__(option_strings, dest, const=True, default=default, nargs=0, **kwargs)
 
     def __call__(
@@ -85,7 +89,7 @@ class _CheckEnv(argparse.Action):
 class Entrypoint:
     """What each worker runs."""
 
-    kind: str
+    kind: EntryKind
     """"script" (a Python file), "module" (``-m``) or "command" (``--no-python``)."""
     target: str
     """The script path, module name or executable."""
@@ -100,7 +104,7 @@ class Entrypoint:
         """The command line of a cold start, as torchrun builds it."""
         if self.kind == "command":
             return [self.target, *self.args]
-        python = os.environ.get("PYTHON_EXEC", sys.executable)
+        python = uenv.lookup(uenv.PYTHON_EXEC) or sys.executable
         head = ["-m", self.target] if self.kind == "module" else [self.target]
         return [python, "-u", *head, *self.args]
 
@@ -340,7 +344,7 @@ def spec_from_namespace(ns: argparse.Namespace) -> JobSpec:
     min_nodes, max_nodes = parse_nnodes(ns.nnodes)
     conf = parse_rdzv_conf(ns.rdzv_conf)
     endpoint, rdzv_id, is_host = _rendezvous(ns, max_nodes, conf)
-    kind = "command" if ns.no_python else "module" if ns.module else "script"
+    kind: EntryKind = "command" if ns.no_python else "module" if ns.module else "script"
     return JobSpec(
         min_nodes=min_nodes,
         max_nodes=max_nodes,

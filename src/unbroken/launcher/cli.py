@@ -26,6 +26,7 @@ from unbroken.launcher.workers import LocalWorkers
 from unbroken.launcher.zygote import Zygote
 from unbroken.ledger import Ledger, process_start_time
 from unbroken.ledger import events as ev
+from unbroken.log import init_logging
 
 logger = logging.getLogger("unbroken.launcher")
 
@@ -174,8 +175,6 @@ def run(spec: largs.JobSpec, cfg: largs.lconfig.LauncherConfig) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from unbroken.cli import init_logging
-
     init_logging()
     try:
         spec, cfg, ignored = largs.parse(argv)

@@ -10,7 +10,7 @@ A worker that has never called ``heartbeat`` is not watched for hangs until the 
 heartbeats (see ``monitor``). Calls for the same step closer together than
 ``UNBROKEN_HEARTBEAT_INTERVAL_S`` are dropped. Safe after ``fork``: the state is per process.
 
-Imports nothing of ours but ``unbroken.env``, and never torch.
+Never imports torch. Imports of ours: ``unbroken.env``.
 """
 
 from __future__ import annotations
@@ -80,11 +80,6 @@ _client: _Client | None = None
 _client_pid = -1
 
 
-def _parse_addr(raw: str) -> tuple[str, int]:
-    host, _, port = raw.rpartition(":")
-    return host or "127.0.0.1", int(port)
-
-
 def _get() -> _Client | None:
     global _client, _client_pid
     pid = os.getpid()
@@ -93,16 +88,16 @@ def _get() -> _Client | None:
     if _client is not None:
         _client.sock.close()
     _client, _client_pid = None, pid
-    raw = os.environ.get(uenv.UNBROKEN_HEARTBEAT_ADDR)
-    if not raw:
-        return None
     try:
+        target = uenv.HeartbeatEnv.from_environ()
+        if target is None:
+            return None
         _client = _Client(
-            _parse_addr(raw),
-            rank=int(os.environ.get(uenv.RANK, "0")),
-            local_rank=int(os.environ.get(uenv.LOCAL_RANK, "0")),
-            round_=int(os.environ.get(uenv.UNBROKEN_ROUND, "0")),
-            interval_s=float(os.environ.get(uenv.UNBROKEN_HEARTBEAT_INTERVAL_S, "0.5")),
+            (target.host, target.port),
+            rank=target.rank,
+            local_rank=target.local_rank,
+            round_=target.round,
+            interval_s=target.interval_s,
         )
     except (ValueError, OSError):
         _client = None

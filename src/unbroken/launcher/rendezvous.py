@@ -22,18 +22,16 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import time
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
+from unbroken import env as uenv
 from unbroken.launcher.args import JobSpec
 from unbroken.launcher.errors import LauncherError
 
 logger = logging.getLogger(__name__)
-
-_SHARE_STORE_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -69,7 +67,8 @@ class C10dRendezvous:
     """torch's c10d rendezvous plus the round id, the worker store and the exit barrier."""
 
     def __init__(self, spec: JobSpec, *, node_addr: str, timeout_s: float) -> None:
-        os.environ[_SHARE_STORE_ENV] = "1"  # torch's shared store is the stale-key source
+        # torch's shared store is the stale-key source
+        uenv.set_for_torch(uenv.TORCH_DISABLE_SHARE_RDZV_TCP_STORE, "1")
         import torch.distributed as dist
         from torch.distributed.elastic.rendezvous import RendezvousParameters
         from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import create_backend

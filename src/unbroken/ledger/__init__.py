@@ -1,16 +1,19 @@
 """The goodput ledger: event records, the per-process writer, the reader, the goodput math.
 
-Owns the event schema and every figure derived from it. Imports nothing else of ours and
-never imports torch, so any process (a launcher, the dashboard) can use it cheaply.
+Owns the event schema, the one ``Recorder`` protocol every recording component takes (and
+its null ``NULL``), and every figure derived from the records. Never imports torch, so any
+process (a launcher, the dashboard) can use it cheaply. Imports of ours: none.
 """
 
 from unbroken.ledger import events, goodput, report
 from unbroken.ledger.events import Event
 from unbroken.ledger.goodput import FaultRecord, RunReport, compute
 from unbroken.ledger.reader import read_events, read_run
+from unbroken.ledger.recorder import NULL, NullRecorder, Recorder
 from unbroken.ledger.writer import Ledger, install_sigterm_flush, process_start_time
 
 __all__ = [
+    "NULL",
     "Event",
     "FaultRecord",
     "RunReport",
@@ -18,6 +21,8 @@ __all__ = [
     "goodput",
     "report",
     "Ledger",
+    "NullRecorder",
+    "Recorder",
     "events",
     "install_sigterm_flush",
     "process_start_time",

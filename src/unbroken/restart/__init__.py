@@ -8,8 +8,8 @@ abort, tear down), ``monitor`` + ``interrupt`` (the threads that watch and stop 
 ``watchdog`` (hang decisions), ``health`` (checks), ``assign`` (culprit, limits, new ranks),
 ``context`` (what ``fn`` gets), ``config`` (configuration, errors, exit codes).
 
-Imports torch, ``unbroken.env``, ``unbroken.errors`` and ``unbroken.ledger``; never the
-workload, the checkpoint module or the launcher.
+Imports torch; never the workload, the checkpoint module or the launcher. Imports of ours:
+``unbroken.errors``, ``unbroken.env``, ``unbroken.ledger``.
 """
 
 from unbroken.restart.config import (

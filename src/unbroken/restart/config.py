@@ -4,12 +4,15 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal, get_args
 
 from unbroken.errors import UnbrokenError
 
 if TYPE_CHECKING:
     from unbroken.restart.health import HealthCheck
+
+Backend = Literal["gloo", "nccl"]
+BACKENDS: tuple[Backend, ...] = get_args(Backend)
 
 # Exit codes a training script should return for the two ways ``run`` gives up on this process.
 EXIT_ESCALATE = 75
@@ -83,7 +86,7 @@ class RestartConfig:
     backstop_margin_s: float | None = 10.0
     """A GIL-free timer (faulthandler) exits the process this long after a missed hard
     timeout, for a main thread stuck in native code while holding the GIL; None: off."""
-    pg_backend: str | None = None
+    pg_backend: Backend | None = None
     """Backend of the process group ``run`` forms: "gloo", "nccl", or None for nccl when CUDA is
     available, else gloo."""
     pg_timeout_s: float = 600.0
@@ -142,8 +145,10 @@ class RestartConfig:
             )
         if self.backstop_margin_s is not None and self.backstop_margin_s <= 0:
             raise ValueError(f"backstop_margin_s must be > 0 or None, got {self.backstop_margin_s}")
-        if self.pg_backend not in (None, "gloo", "nccl"):
-            raise ValueError(f"pg_backend must be 'gloo', 'nccl' or None, got {self.pg_backend!r}")
+        if self.pg_backend is not None and self.pg_backend not in BACKENDS:
+            raise ValueError(
+                f"pg_backend must be one of {BACKENDS} or None, got {self.pg_backend!r}"
+            )
         if self.store_addr is not None:
             parse_addr(self.store_addr)
 

@@ -8,7 +8,11 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from unbroken.ledger import Recorder
+    from unbroken.restart.monitor import Monitor
 
 logger = logging.getLogger(__name__)
 
@@ -52,8 +56,8 @@ class RestartContext:
         local_rank: int,
         member: int,
         run_dir: Path | None,
-        ledger: Any,
-        monitor: Any,
+        ledger: Recorder,
+        monitor: Monitor,
     ) -> None:
         self._iteration = iteration
         self._cause = cause

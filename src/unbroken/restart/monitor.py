@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
+from unbroken.ledger import Recorder
 from unbroken.ledger import events as ev
 from unbroken.restart import assign
 from unbroken.restart.config import RestartConfig
@@ -81,7 +82,7 @@ class Monitor:
         self,
         *,
         config: RestartConfig,
-        ledger: Any,
+        ledger: Recorder,
         interrupter: Interrupter,
         store: StoreHost,
         kill: Callable[[], None] = _sigkill_self,

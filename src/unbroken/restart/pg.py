@@ -41,6 +41,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from unbroken.restart.config import Backend
+
 logger = logging.getLogger(__name__)
 
 _TCP_ESTABLISHED = 0x01
@@ -135,7 +137,7 @@ def _abort_nccl() -> None:
             logger.exception("NCCL abort failed")
 
 
-def default_backend() -> str:
+def default_backend() -> Backend:
     return "nccl" if torch.cuda.is_available() else "gloo"
 
 

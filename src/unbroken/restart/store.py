@@ -175,7 +175,7 @@ def locate(
 ) -> tuple[StoreHost, bool]:
     """Find (or start) the coordination store; returns it and whether we must register in it
     (stores started by ``store_server`` watch their registered processes)."""
-    addr = override or os.environ.get(uenv.UNBROKEN_STORE_ADDR)
+    addr = override or env.store_addr
     if addr:
         host, port = parse_addr(addr)
         return StoreHost(host, port, server=None), False

@@ -25,13 +25,13 @@ import gc
 import logging
 import time
 import traceback
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from typing import Any, TypeVar
 
 import torch.distributed as dist
 
 from unbroken.env import WorkerEnv
+from unbroken.ledger import NULL, Recorder
 from unbroken.ledger import events as ev
 from unbroken.restart import assign, pg
 from unbroken.restart.barrier import Between
@@ -60,39 +60,11 @@ def _log_error(rank: int, error: BaseException) -> None:
     logger.error("rank %d: fn raised:\n%s", rank, text)
 
 
-class _NoLedger:
-    """Stands in for a Ledger when there is no run directory."""
-
-    run = "local"
-
-    def emit(self, kind: str, *, ts: float | None = None, **data: Any) -> None:
-        return None
-
-    def step(self, step: int, **data: Any) -> None:
-        pass
-
-    def mark(self, ts: float | None = None) -> None:
-        pass
-
-    def set_context(self, *, rank: int | None = None, iteration: int | None = None) -> None:
-        pass
-
-    def flush(self, timeout_s: float = 5.0) -> bool:
-        return True
-
-    @contextmanager
-    def phase(self, name: str, **data: Any) -> Iterator[None]:
-        yield
-
-    def close(self) -> None:
-        pass
-
-
 def run(
     fn: Callable[[RestartContext], T],
     *,
     config: RestartConfig | None = None,
-    ledger: Any = None,
+    ledger: Recorder | None = None,
     env: WorkerEnv | None = None,
 ) -> T:
     """Call ``fn(ctx)`` on every rank until it returns everywhere; returns its value.
@@ -102,6 +74,9 @@ def run(
     ``RankExcluded`` (exit with ``EXIT_EXCLUDED``) on a rank that left the job.
     ``KeyboardInterrupt`` and ``SystemExit`` from ``fn`` end ``run`` on that rank (its peers
     restart without it).
+
+    ``ledger`` records the restarts; None: a ``Ledger`` of its own in the launcher's run
+    directory (``UNBROKEN_RUN_DIR``), else nothing.
     """
     config = config or RestartConfig()
     env = env or WorkerEnv.from_environ()
@@ -111,16 +86,17 @@ def run(
             "init_process_group before it"
         )
     owned = None
+    recorder: Recorder = NULL if ledger is None else ledger
     if ledger is None and env.run_dir is not None:
         from unbroken.ledger import Ledger
 
         run_id = env.run_id if env.run_id and env.run_id != "none" else env.run_dir.name
-        owned = ledger = Ledger(env.run_dir, run=run_id, rank=env.rank, attempt=env.restart_count)
+        owned = recorder = Ledger(env.run_dir, run=run_id, rank=env.rank, attempt=env.restart_count)
     frozen = config.gc_freeze and gc.get_freeze_count() == 0
     if frozen:
         gc.freeze()
     try:
-        runner = _Runner(fn, config=config, ledger=ledger or _NoLedger(), env=env, gc_frozen=frozen)
+        runner = _Runner(fn, config=config, ledger=recorder, env=env, gc_frozen=frozen)
         try:
             return runner.loop()
         finally:
@@ -138,7 +114,7 @@ class _Runner:
         fn: Callable[[RestartContext], Any],
         *,
         config: RestartConfig,
-        ledger: Any,
+        ledger: Recorder,
         env: WorkerEnv,
         gc_frozen: bool,
     ) -> None:
@@ -148,7 +124,7 @@ class _Runner:
         self.env = env
         self.member = env.rank
         self.members: tuple[int, ...] = tuple(range(env.world_size))
-        run_id = env.run_id if env.run_id and env.run_id != "none" else getattr(ledger, "run", "")
+        run_id = env.run_id if env.run_id and env.run_id != "none" else ledger.run
         self.keys = Keys.for_run(run=run_id or "local", attempt=env.restart_count)
         self.backend = config.pg_backend or pg.default_backend()
         self.checks = default_checks() if config.health_checks is None else config.health_checks

@@ -6,5 +6,8 @@ Markov language with random-access samples and a world-size-independent resumabl
 ``rng`` captures and restores every RNG a step touches, ``parallel`` wraps a model in FSDP2 or
 DDP.
 
-Of ours, this package imports only ``unbroken.ledger``, ``unbroken.faults`` and ``unbroken.env``.
+It is a user of unbroken like any training script: it reaches the launcher only through the
+public API (``unbroken.heartbeat``), never its internals. Imports of ours: ``unbroken`` (the
+public API), ``unbroken.errors``, ``unbroken.env``, ``unbroken.log``, ``unbroken.ledger``,
+``unbroken.checkpoint``, ``unbroken.faults``, ``unbroken.restart``.
 """

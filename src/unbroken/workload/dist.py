@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 from datetime import timedelta
+from typing import Literal
 
 import torch
 import torch.distributed as dist
@@ -52,5 +53,5 @@ def init_process_group(
     return store
 
 
-def default_backend(device: torch.device) -> str:
+def default_backend(device: torch.device) -> Literal["gloo", "nccl"]:
     return "nccl" if device.type == "cuda" else "gloo"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from typing import Literal, get_args
 
 import torch
 import torch.distributed as dist
@@ -10,13 +11,14 @@ from torch import nn
 
 logger = logging.getLogger(__name__)
 
-PARALLEL_MODES = ("fsdp", "ddp", "none")
+Parallel = Literal["fsdp", "ddp", "none"]
+PARALLEL_MODES: tuple[Parallel, ...] = get_args(Parallel)
 
 
 def wrap_model(
     model: nn.Module,
     *,
-    parallel: str,
+    parallel: Parallel,
     device: torch.device | str,
     param_dtype: torch.dtype | None = None,
 ) -> nn.Module:

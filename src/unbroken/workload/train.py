@@ -38,13 +38,13 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.elastic.multiprocessing.errors import get_error_handler, record
 
-from unbroken import restart
-from unbroken.checkpoint import Checkpointer, PerRank
+from unbroken import heartbeat, restart
+from unbroken.checkpoint import Checkpointer, PerRank, WriterHooks
 from unbroken.env import WorkerEnv
 from unbroken.faults import FaultInjector, FaultPlan, load_plan
-from unbroken.launcher.client import heartbeat
 from unbroken.ledger import Ledger, install_sigterm_flush, process_start_time
 from unbroken.ledger import events as ev
+from unbroken.log import init_logging
 from unbroken.workload import data as wdata
 from unbroken.workload import model as wmodel
 from unbroken.workload.dist import default_backend, init_process_group
@@ -168,12 +168,15 @@ class _Progress:
         self.losses = [float(x) for x in state["losses"]]
 
 
-def _checkpointer(args: argparse.Namespace, run_dir: Path, ledger: Ledger) -> Checkpointer | None:
+def _checkpointer(
+    args: argparse.Namespace, run_dir: Path, ledger: Ledger, hooks: WriterHooks | None
+) -> Checkpointer | None:
     if args.ckpt_every == 0:
         return None
     return Checkpointer(
         Path(args.ckpt_dir) if args.ckpt_dir else run_dir / "ckpt",
         ledger=ledger,
+        hooks=hooks,
         every_steps=args.ckpt_every,
         keep=args.ckpt_keep,
         mode=args.ckpt_mode,
@@ -222,7 +225,15 @@ def train(args: argparse.Namespace, env: WorkerEnv, ledger: Ledger, run_dir: Pat
 
     def once(ctx: Any) -> str:
         ctx.add_step_hook(injector.on_step)
-        return train_once(ctx, args, ledger, run_dir, device=device, global_batch=global_batch)
+        return train_once(
+            ctx,
+            args,
+            ledger,
+            run_dir,
+            device=device,
+            global_batch=global_batch,
+            hooks=injector.writer_hooks(),
+        )
 
     if not args.no_inprocess:
         config = restart.RestartConfig(
@@ -256,10 +267,12 @@ def train_once(
     *,
     device: torch.device,
     global_batch: int,
+    hooks: WriterHooks | None = None,
 ) -> str:
     """The training loop in the process group that exists, from the newest checkpoint (or step
     0); returns the final state hash. ``ctx`` is a RestartContext: ``run`` calls this again
-    after an in-process restart, possibly with fewer ranks."""
+    after an in-process restart, possibly with fewer ranks. ``hooks`` go to the checkpoint
+    writer (the fault plan's, see ``FaultInjector.writer_hooks``)."""
     rank, world_size = ctx.rank, ctx.world_size
     if global_batch % world_size:
         raise ValueError(f"global batch {global_batch} does not divide the world size {world_size}")
@@ -290,7 +303,7 @@ def train_once(
             "rng": PerRank(_RngState()),
             "progress": progress,
         }
-        ckpt = _checkpointer(args, run_dir, ledger)
+        ckpt = _checkpointer(args, run_dir, ledger, hooks)
         # The launcher's heartbeat carries the newest committed step: its no-progress guard
         # counts restarts without a new commit.
         ctx.add_step_hook(
@@ -357,9 +370,7 @@ def train_once(
 def main(argv: Sequence[str] | None = None) -> int:
     started = process_start_time()
     args = build_parser().parse_args(argv)
-    logging.basicConfig(
-        level=logging.INFO, format="%(asctime)s %(levelname)s [%(name)s] %(message)s"
-    )
+    init_logging()
     env = WorkerEnv.from_environ()
     run_dir = Path(
         args.run_dir or env.run_dir or Path("runs") / time.strftime("%Y%m%d-%H%M%S")

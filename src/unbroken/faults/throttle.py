@@ -1,11 +1,14 @@
-"""Slow-storage faults as the writer process sees them: control files under the root.
+"""Slow-storage faults: control files under the checkpoint root, and the writer hooks that
+obey them.
 
-A ``slow-storage`` fault (``unbroken.faults``) writes ``<root>/.storage-faults/slow-<i>.json``
-(fsynced) with ``ranks`` (None: every rank), ``bytes_per_s``, and either ``saves`` (how many of
-each rank's saves it slows) or ``until`` (epoch seconds). At the start of every save the writer
-asks ``save_rate`` for its cap: the lowest rate among the faults that apply to its rank and are
-not used up. The saves a fault has slowed are counted per rank in
-``slow-<i>.rank-<R>.used``, so a restarted writer does not slow more saves than the plan says.
+A ``slow-storage`` fault writes ``<root>/.storage-faults/slow-<i>.json`` (fsynced) with
+``ranks`` (None: every rank), ``bytes_per_s``, and either ``saves`` (how many of each rank's
+saves it slows) or ``until`` (epoch seconds). A writer process that was handed ``SlowStorage``
+as its hooks (``unbroken.checkpoint.hooks``; the fault injector provides them whenever its plan
+holds a slow-storage fault) asks ``save_rate`` at the start of every save for its cap: the
+lowest rate among the faults that apply to its rank and are not used up. The saves a fault has
+slowed are counted per rank in ``slow-<i>.rank-<R>.used``, so a restarted writer (a new
+in-process iteration, a relaunched worker) does not slow more saves than the plan says.
 
 Retention and restore never touch this directory (its name matches no checkpoint pattern).
 Nothing here imports torch.
@@ -71,6 +74,21 @@ def _write_used(path: Path, used: int) -> None:
     tmp = path.with_name(f"{path.name}.tmp-{uuid.uuid4().hex[:8]}")
     tmp.write_text(str(used))
     os.replace(tmp, path)
+
+
+class SlowStorage:
+    """Writer hooks (``unbroken.checkpoint.hooks.WriterHooks``): cap each save at the rate of
+    the slow-storage faults in force under the writer's root. Holds no state (picklable)."""
+
+    def save_rate(self, *, root: Path, rank: int, step: int) -> float | None:
+        try:
+            return save_rate(root, rank=rank, now=time.time())
+        except OSError as e:  # never fail a save over the fault's own files
+            logger.warning("cannot read the slow-storage control files: %s", e)
+            return None
+
+    def at(self, point: str, *, root: Path, step: int) -> None:
+        return None
 
 
 def save_rate(root: Path, *, rank: int, now: float) -> float | None:

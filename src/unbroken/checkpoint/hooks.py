@@ -1,0 +1,53 @@
+"""``WriterHooks``: what fault injection and tests may change in the writer process, injected.
+
+The writer reads no control file and no environment variable of its own accord. Whoever
+builds a ``Checkpointer`` may hand it a ``WriterHooks`` object (``hooks=``); the Checkpointer
+sends it, pickled, to its writer process over their socket before any save, and the writer
+calls it:
+
+- ``save_rate`` at the start of every save: a write-rate cap for that save in bytes/s (None:
+  no cap beyond ``throttle_mbps``). The slow-storage fault's hooks
+  (``unbroken.faults.throttle.SlowStorage``) answer from the fault's control files under the
+  checkpoint root, so that a restarted writer goes on counting where the last one stopped.
+- ``at`` at each point of the commit protocol (``POINTS``), with the step being saved: a
+  test may stop the writer there (and a test only: production code passes no hooks).
+
+A hooks object must be picklable and importable by the writer process (a module on
+``sys.path``, not ``__main__``), cheap, and must not raise: an exception fails that save.
+Nothing here imports torch.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Protocol
+
+POINTS = ("data", "done", "manifest", "renamed")
+"""Where ``at`` is called: data (half of this rank's data file written), done (rank 0: every
+rank's done record in), manifest (before the rename to ``step-N``), renamed (before
+``COMMITTED``)."""
+
+
+class WriterHooks(Protocol):
+    """Fault and test hooks a checkpoint writer process calls (see the module docstring)."""
+
+    def save_rate(self, *, root: Path, rank: int, step: int) -> float | None:
+        """The write-rate cap (bytes/s) of ``rank``'s save of ``step`` under ``root``, or None."""
+        ...
+
+    def at(self, point: str, *, root: Path, step: int) -> None:
+        """Called at ``point`` (one of ``POINTS``) of the save of ``step``."""
+        ...
+
+
+class NoHooks:
+    """The hooks of a writer nobody injected any into: no cap, no stop."""
+
+    def save_rate(self, *, root: Path, rank: int, step: int) -> float | None:
+        return None
+
+    def at(self, point: str, *, root: Path, step: int) -> None:
+        return None
+
+
+NO_HOOKS: WriterHooks = NoHooks()

@@ -1,0 +1,335 @@
+"""In-flight bookkeeping: the one save a rank has in flight, its writer, and how it ends.
+
+``Inflight`` starts the rank's writer process, hands it each staged save, hears back from it
+(on the writer client's reader thread) and records what happened (``ckpt_persist``,
+``ckpt_commit``, ``ckpt_skip``, ``ckpt_fail``); the training thread waits on it and asks it for
+errors. Failures (see ``checkpointer``): the writer's death is noticed the moment its socket
+closes; a save not durable within ``persist_timeout_s`` (counted from the later of staging and
+the writer being ready) is failed and its writer killed; both are fatal to the Checkpointer.
+A save the writer reports failed is raised once, and later saves go on.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from unbroken.checkpoint import layout
+from unbroken.checkpoint.client import WriterClient
+from unbroken.checkpoint.config import CheckpointConfig, CheckpointError
+from unbroken.checkpoint.hooks import WriterHooks
+from unbroken.ledger import Recorder
+from unbroken.ledger import events as ev
+
+logger = logging.getLogger(__name__)
+
+_POLL_S = 0.005
+
+Outcome = Literal["persisted", "committed", "abandoned", "failed"]
+
+
+@dataclass
+class CheckpointStats:
+    """Counters of one Checkpointer (read them with ``Checkpointer.stats()``)."""
+
+    saves: int = 0
+    """Saves staged and handed to the writer."""
+    skipped: int = 0
+    """Saves dropped because the previous one was persisting, or abandoned by the coordinator."""
+    committed: int = 0
+    """Saves this rank saw committed (rank 0), or persisted (other ranks)."""
+    failed: int = 0
+    stall_s: list[float] = field(default_factory=list)
+    """Per save: time the trainer was blocked (waiting, staging, waiting for overlap)."""
+    persist_s: list[float] = field(default_factory=list)
+    """Per save: the writer's time to write and fsync this rank's data."""
+    commit_s: list[float] = field(default_factory=list)
+    """Per save (rank 0): from this rank's data durable to the checkpoint committed."""
+    blocking_s: float = 0.0
+    """All time the trainer spent blocked in this Checkpointer's save path."""
+    staged_bytes: int = 0
+    """Bytes of the last save."""
+
+
+@dataclass
+class Save:
+    """One save from staging to its outcome."""
+
+    step: int
+    staged: threading.Event = field(default_factory=threading.Event)
+    """Set once every tensor is copied and the save handed to the writer (or staging failed)."""
+    sent_ts: float | None = None
+    outcome: Outcome | None = None
+    error: str | None = None
+
+    @property
+    def done(self) -> bool:
+        return self.outcome is not None
+
+
+class Inflight:
+    """The save in flight on one rank and the writer process persisting it."""
+
+    def __init__(
+        self,
+        *,
+        root: Path,
+        rank: int,
+        world_size: int,
+        config: CheckpointConfig,
+        recorder: Recorder,
+        stats: CheckpointStats,
+    ) -> None:
+        self.root = root
+        self.rank = rank
+        self.world_size = world_size
+        self.config = config
+        self.recorder = recorder
+        self.stats = stats
+        self.writer: WriterClient | None = None
+        self.current: Save | None = None
+        """The newest save handed over (done or not), or None before the first."""
+        self.last_committed: int | None = None
+        """Newest step seen committed (rank 0 only: it commits), else None."""
+        self.fatal: str | None = None
+        """Why this Checkpointer cannot save any more (writer dead, storage stalled), or None."""
+        self.fatal_raised = False
+        self._cond = threading.Condition()
+        self._errors: list[str] = []
+
+    # --- the writer --------------------------------------------------------------------------
+    def start_writer(self, hooks: WriterHooks | None) -> WriterClient:
+        """The writer process, started (with ``hooks`` sent to it) on the first call."""
+        if self.writer is None:
+            self.writer = WriterClient(
+                root=self.root,
+                rank=self.rank,
+                world_size=self.world_size,
+                keep=self.config.keep,
+                commit_timeout_s=self.config.persist_timeout_s,
+                throttle_bytes_per_s=self.config.throttle_mbps * 1e6,
+                nice=self.config.writer_nice,
+                start=self.config.writer_start,
+                on_message=self._on_message,
+                on_death=self._on_death,
+            )
+            if hooks is not None:
+                self.writer.send({"type": "hooks", "hooks": hooks})
+        return self.writer
+
+    def begin(self, step: int) -> Save:
+        """A new save of ``step`` is being staged: it is the one in flight now."""
+        save = Save(step=step)
+        with self._cond:
+            self.current = save
+        return save
+
+    def busy(self) -> bool:
+        """True while the current save has no outcome yet."""
+        return self.current is not None and not self.current.done
+
+    def send(self, msg: dict[str, Any], save: Save) -> None:
+        """Hand the staged ``save`` to the writer (from the training or the stager thread)."""
+        assert self.writer is not None
+        msg["sent_ts"] = time.time()
+        save.sent_ts = msg["sent_ts"]
+        try:
+            self.writer.send(msg)
+        finally:
+            save.staged.set()
+
+    def staging_failed(self, save: Save, e: Exception) -> None:
+        self.finish(save, "failed", f"staging failed: {type(e).__name__}: {e}")
+        save.staged.set()
+
+    # --- what the writer says (its reader thread) --------------------------------------------
+    def _on_message(self, msg: dict[str, Any]) -> None:
+        kind, step = msg["type"], msg["step"]
+        save = self.current
+        if save is None or save.step != step:
+            logger.warning("checkpoint writer reported %s for step %s, not in flight", kind, step)
+            return
+        if kind == "persisted":
+            self.stats.persist_s.append(msg["end"] - msg["begin"])
+            self.recorder.interval(
+                ev.CKPT_PERSIST,
+                begin=msg["begin"],
+                end=msg["end"],
+                step=step,
+                bytes=msg["bytes"],
+                write_s=msg["write_s"],
+                fsync_s=msg["fsync_s"],
+                writer_rss_bytes=msg["rss_bytes"],
+            )
+            if self.rank != 0:
+                self.stats.committed += 1
+                self.finish(save, "persisted")
+        elif kind == "committed":
+            self.stats.commit_s.append(msg["end"] - msg["begin"])
+            self.stats.committed += 1
+            self.recorder.emit(
+                ev.CKPT_COMMIT,
+                ts=msg["end"],
+                step=step,
+                commit_s=msg["end"] - msg["begin"],
+                path=msg["path"],
+                removed=msg["removed"],
+            )
+            self.last_committed = step
+            self.finish(save, "committed")
+        elif kind == "abandoned":
+            self.stats.skipped += 1
+            self.recorder.emit(ev.CKPT_SKIP, step=step, reason=f"abandoned: {msg['reason']}")
+            self.finish(save, "abandoned")
+        elif kind == "failed":
+            self.stats.failed += 1
+            self.recorder.emit(ev.CKPT_FAIL, step=step, error=msg["error"])
+            with self._cond:
+                self._errors.append(f"checkpoint of step {step} failed: {msg['error']}")
+            self.finish(save, "failed", msg["error"])
+
+    def _on_death(self, reason: str) -> None:
+        """The moment the writer's socket closes."""
+        save = self.current
+        step = save.step if save and not save.done else None
+        lost = f"; the save of step {step} is lost" if step is not None else ""
+        self.fail(f"{reason}{lost}; the newest committed checkpoint is {self._latest()}", step)
+
+    def fail(self, message: str, step: int | None) -> None:
+        """Fatal: record it and end the save in flight as failed."""
+        with self._cond:
+            if self.fatal:
+                return
+            self.fatal = message
+            self._cond.notify_all()
+        logger.error("%s", message)
+        self.recorder.emit(ev.CKPT_FAIL, step=step, error=message)
+        save = self.current
+        if save is not None and not save.done:
+            self.finish(save, "failed", message)
+
+    def finish(self, save: Save, outcome: Outcome, error: str | None = None) -> None:
+        with self._cond:
+            if save.outcome is None:
+                save.outcome, save.error = outcome, error
+            self._cond.notify_all()
+
+    # --- waiting and checks (training thread) ------------------------------------------------
+    def wait_staged(self) -> None:
+        """Block until the current save is fully copied (see ``Checkpointer.wait_staged``)."""
+        save = self.current
+        if save is None or save.staged.is_set():
+            return
+        t0 = time.time()
+        while not save.staged.wait(0.1):
+            if self.fatal:
+                break
+        end = time.time()
+        if self.stats.stall_s:
+            self.stats.stall_s[-1] += end - t0
+        self.stats.blocking_s += end - t0
+        self.recorder.interval(ev.CKPT_STAGE, begin=t0, end=end, step=save.step, part="overlap")
+
+    def wait_done(self) -> None:
+        """Block until the current save has an outcome (or a fatal error); then ``check``."""
+        save = self.current
+        if save is None:
+            return
+        with self._cond:
+            while not save.done and not self.fatal:
+                self._cond.wait(0.1)
+                if self._deadline_passed(save):
+                    break
+        self.check()
+
+    def wait_commit_on_disk(self, save: Save) -> None:
+        """Ranks but 0: after this rank's data persisted, watch for rank 0's commit."""
+        from unbroken.checkpoint.commit import abandon_reason
+
+        marker = layout.step_dir(self.root, save.step) / layout.COMMITTED
+        part = layout.partial_dir(self.root, save.step)
+        deadline = time.time() + self.config.persist_timeout_s
+        while not marker.exists():
+            why = abandon_reason(part) if part.exists() else None
+            if why and not marker.exists():
+                self.recorder.emit(ev.CKPT_SKIP, step=save.step, reason=f"abandoned: {why}")
+                return
+            if time.time() > deadline:
+                self.fail(
+                    f"step {save.step} was not committed by rank 0 within "
+                    f"{self.config.persist_timeout_s:.1f} s; is rank 0 alive?",
+                    save.step,
+                )
+                break
+            time.sleep(_POLL_S)
+        self.check()
+
+    def _deadline_passed(self, save: Save) -> bool:
+        writer = self.writer
+        if save.done or save.sent_ts is None or writer is None:
+            return False
+        now = time.time()
+        if writer.ready_ts is None:
+            if now - writer.spawn_ts <= self.config.writer_start_timeout_s:
+                return False
+            self.fail(
+                f"checkpoint writer process {writer.pid} not ready after "
+                f"{self.config.writer_start_timeout_s:.0f} s (writer_start_timeout_s)",
+                save.step,
+            )
+            writer.kill_nowait()
+            return True
+        if now - max(save.sent_ts, writer.ready_ts) <= self.config.persist_timeout_s:
+            return False
+        self.fail(
+            f"the save of step {save.step} was not durable after "
+            f"{self.config.persist_timeout_s:.1f} s (persist_timeout_s): storage stalled? "
+            f"Its writer was killed; the newest committed checkpoint is {self._latest()}",
+            save.step,
+        )
+        if self.writer is not None:
+            self.writer.kill_nowait()
+        return True
+
+    def check(self) -> None:
+        """Raise CheckpointError for a fatal error (every time) or for saves the writer
+        reported failed since the last check (once)."""
+        save = self.current
+        if save is not None:
+            self._deadline_passed(save)
+        if self.fatal:
+            self.fatal_raised = True
+            raise CheckpointError(self.fatal)
+        with self._cond:
+            errors, self._errors = self._errors, []
+        if errors:
+            raise CheckpointError("; ".join(errors))
+
+    def skip(self, step: int, reason: str) -> None:
+        """Record a save of ``step`` dropped on this rank; tell the coordinator not to wait."""
+        self.stats.skipped += 1
+        if self.world_size > 1:
+            layout.write_marker(
+                layout.partial_dir(self.root, step) / layout.skip_marker(self.rank),
+                {"reason": reason},
+            )
+        self.recorder.emit(ev.CKPT_SKIP, step=step, reason=reason)
+
+    def _latest(self) -> int | None:
+        steps = layout.committed_steps(self.root)
+        return steps[0] if steps else None
+
+    # --- the end -----------------------------------------------------------------------------
+    def kill_writer(self) -> None:
+        """SIGKILL the writer without waiting (``close`` reaps it)."""
+        if self.writer is not None:
+            self.writer.kill_nowait()
+
+    def close(self) -> None:
+        """Stop the writer (it finishes the message it is on) and reap it."""
+        if self.writer is not None:
+            self.writer.close()
