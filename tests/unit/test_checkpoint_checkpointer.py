@@ -16,6 +16,7 @@ import torch.distributed.checkpoint as dcp
 
 from unbroken.checkpoint import Checkpointer, CheckpointError, PerRank, layout
 from unbroken.checkpoint import staging as staging_mod
+from unbroken.faults import throttle
 from unbroken.ledger import Ledger, read_events
 from unbroken.ledger import events as ev
 
@@ -266,6 +267,38 @@ def test_either_writer_start_saves_and_restores(tmp_path: Path, start: str) -> N
     with Checkpointer(tmp_path / "ckpt", eager_writer=False) as ck:
         assert ck.restore({"model": model2, "optim": optim2}) == 3
     assert _same(_snapshot(model2, optim2), want)
+
+
+def _slow_storage_fault(root: Path) -> Path:
+    """A slow-storage fault of one save on every rank, fired under ``root``; returns the file
+    where rank 0's writer counts the saves it slowed."""
+    root.mkdir()
+    control = throttle.write_control(
+        root, index=0, ranks=None, bytes_per_s=100e6, saves=1, seconds=None
+    )
+    return control.with_name("slow-0.rank-0.used")
+
+
+def test_a_writer_without_hooks_reads_no_fault_control_file(tmp_path: Path) -> None:
+    used = _slow_storage_fault(tmp_path / "ckpt")
+    with Checkpointer(tmp_path / "ckpt") as ck:  # production: no hooks
+        ck.save(0, {"w": torch.arange(1000.0)})
+        ck.wait()
+    assert not used.exists()
+    assert layout.committed_steps(tmp_path / "ckpt") == [0]
+
+
+@pytest.mark.parametrize("start", ["fork", "spawn"])
+def test_injected_hooks_reach_the_writer(tmp_path: Path, start: str) -> None:
+    """The hooks are pickled to the writer process (forked or spawned), which calls them."""
+    used = _slow_storage_fault(tmp_path / "ckpt")
+    w = torch.arange(1000.0)
+    with Checkpointer(tmp_path / "ckpt", writer_start=start, hooks=throttle.SlowStorage()) as ck:
+        for step in (1, 2):
+            ck.save(step, {"w": w})
+            ck.wait()
+    assert used.read_text() == "1"  # slowed exactly its one save, counted by the writer
+    assert layout.committed_steps(tmp_path / "ckpt") == [2, 1]
 
 
 def test_a_forked_writer_holds_none_of_the_trainers_connections(tmp_path: Path) -> None:
