@@ -132,6 +132,8 @@ class Event:
 
     @classmethod
     def from_dict(cls, obj: dict[str, Any]) -> Event:
+        if not isinstance(obj, dict):
+            raise ValueError(f"a ledger record is a JSON object, got {type(obj).__name__}")
         data = {k: v for k, v in obj.items() if k not in _COMMON}
         return cls(
             kind=str(obj["kind"]),
