@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -82,9 +83,11 @@ class LedgerTail:
         stats: dict[str, tuple[Path, os.stat_result]] = {}
         for path in paths:
             try:
-                stats[path.name] = (path, path.stat())
+                st = path.stat()
             except OSError:  # removed between glob and stat
                 continue
+            if stat.S_ISREG(st.st_mode):
+                stats[path.name] = (path, st)
         for name, state in self._files.items():
             st = stats.get(name)
             if st is None or st[1].st_ino != state.inode or st[1].st_size < state.offset:
