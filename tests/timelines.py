@@ -23,13 +23,29 @@ def steps(first: int, last: int, start: float, *, dur: float = 1.0, ranks=(0, 1)
     return out
 
 
-def fault(ts: float, *, rank: int = 1, kind: str = "exception", step: int | None = None,
-          layer: str = "inprocess", detect_s: float = 0.1, restored: int | None = None):
+def fault(
+    ts: float,
+    *,
+    rank: int = 1,
+    kind: str = "exception",
+    step: int | None = None,
+    layer: str = "inprocess",
+    detect_s: float = 0.1,
+    restored: int | None = None,
+):
     """An injected fault, its detection, restart and the restore that follows (a timeline piece)."""
     out = [
         rec(ev.FAULT_INJECTED, ts, rank=rank, fault=kind, step=step, index=0),
-        rec(ev.FAULT_DETECTED, ts + detect_s, rank=rank, cause=kind, detector="exception",
-            layer=layer, fault_rank=rank, message=f"injected {kind} on rank {rank}"),
+        rec(
+            ev.FAULT_DETECTED,
+            ts + detect_s,
+            rank=rank,
+            cause=kind,
+            detector="exception",
+            layer=layer,
+            fault_rank=rank,
+            message=f"injected {kind} on rank {rank}",
+        ),
         rec(ev.RESTART_BEGIN, ts + detect_s, rank=rank, layer=layer, cause=kind),
     ]
     if restored is not None:
@@ -45,8 +61,14 @@ def faulty_run(*, faults_at=(10.0, 20.0, 30.0), rank: int = 1, restored: int = 5
     """
     events = [
         rec(ev.PROCESS_START, 0.0, rank=ev.LAUNCHER_RANK, max_restarts=4, argv=["x"]),
-        rec(ev.PROCESS_START, 0.0, rank=0, args={"ckpt_every": 5, "ckpt_mode": "async"},
-            world_size=2, host="h"),
+        rec(
+            ev.PROCESS_START,
+            0.0,
+            rank=0,
+            args={"ckpt_every": 5, "ckpt_mode": "async"},
+            world_size=2,
+            host="h",
+        ),
         rec(ev.PHASE, 0.0, rank=0, name="import", dur_s=0.0),
     ]
     events += steps(0, 8, 0.0)

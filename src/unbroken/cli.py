@@ -158,7 +158,9 @@ def build_parser() -> argparse.ArgumentParser:
     d.set_defaults(func=_cmd_dashboard)
 
     k = sub.add_parser("kb", help="the searchable record of runs (SQLite FTS5)")
-    k.add_argument("--db", default=None, help="the database (default: $UNBROKEN_KB or runs/kb.sqlite)")
+    k.add_argument(
+        "--db", default=None, help="the database (default: $UNBROKEN_KB or runs/kb.sqlite)"
+    )
     ksub = k.add_subparsers(dest="kb_command", required=True)
     ki = ksub.add_parser("ingest", help="index run directories (again: replaces them)")
     ki.add_argument("run_dirs", nargs="+", metavar="RUN_DIR")

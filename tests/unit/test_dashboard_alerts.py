@@ -72,8 +72,18 @@ def test_no_progress_across_restarts() -> None:
 
 def test_restart_budget_nearly_spent() -> None:
     events = faulty_run(faults_at=(10.0,))
-    launcher = [rec(ev.RESTART_BEGIN, 10.0 + i, rank=ev.LAUNCHER_RANK, attempt=i, round=i,
-                    layer="launcher", cause="sigkill") for i in range(3)]
+    launcher = [
+        rec(
+            ev.RESTART_BEGIN,
+            10.0 + i,
+            rank=ev.LAUNCHER_RANK,
+            attempt=i,
+            round=i,
+            layer="launcher",
+            cause="sigkill",
+        )
+        for i in range(3)
+    ]
     assert "restart_budget" not in _names(_alerts(events + launcher[:3]))  # 3 of 4
     alerts = _alerts(events + launcher[:3], budget_ratio=0.75)
     (a,) = [a for a in alerts if a.name == "restart_budget"]
@@ -106,7 +116,11 @@ def test_low_goodput_over_a_window() -> None:
     events = faulty_run(faults_at=(10.0, 20.0, 30.0))
     report = compute(events)
     assert report.training_goodput < 0.6
-    low = [a for a in _alerts(events, goodput_window_s=20.0, min_goodput=0.9) if a.name == "low_goodput"]
+    low = [
+        a
+        for a in _alerts(events, goodput_window_s=20.0, min_goodput=0.9)
+        if a.name == "low_goodput"
+    ]
     assert len(low) == 1 and low[0].value < 0.9
     assert "low_goodput" not in _names(_alerts(events, goodput_window_s=20.0, min_goodput=0.1))
     # A run shorter than the window is not judged yet.

@@ -31,7 +31,9 @@ def _scrape(runs: RunSet) -> dict[str, dict[tuple, float]]:
 
 
 def _families(runs: RunSet) -> list:
-    return list(text_string_to_metric_families(generate_latest(registry_for(runs, refresh=True)).decode()))
+    return list(
+        text_string_to_metric_families(generate_latest(registry_for(runs, refresh=True)).decode())
+    )
 
 
 def test_figures_equal_the_report(tmp_path: Path) -> None:
@@ -49,8 +51,12 @@ def test_figures_equal_the_report(tmp_path: Path) -> None:
     assert m["unbroken_steps_lost_total"][()] == sum(f.steps_lost for f in rep.faults)
     assert m["unbroken_restarts_total"] == {(("cause", "exception"), ("layer", "inprocess")): 3.0}
     assert m["unbroken_recovery_seconds_count"][()] == 3
-    assert m["unbroken_recovery_seconds_sum"][()] == pytest.approx(sum(f.recovery_s for f in rep.faults))
-    assert m["unbroken_goodput_ratio"][(("kind", "training"),)] == pytest.approx(rep.training_goodput)
+    assert m["unbroken_recovery_seconds_sum"][()] == pytest.approx(
+        sum(f.recovery_s for f in rep.faults)
+    )
+    assert m["unbroken_goodput_ratio"][(("kind", "training"),)] == pytest.approx(
+        rep.training_goodput
+    )
     assert m["unbroken_steps_completed"][()] == rep.steps_completed
     assert m["unbroken_job_running"][()] == 0
     assert m["unbroken_alerts"][(("name", "fault_recurring"), ("severity", "page"))] == 3
@@ -68,7 +74,9 @@ def test_naming_follows_prometheus_rules(tmp_path: Path) -> None:
     for fam in families:
         assert re.fullmatch(r"unbroken_[a-z_]+", fam.name), fam.name
         if fam.type == "counter":
-            assert all(s.name.endswith("_total") or s.name.endswith("_created") for s in fam.samples)
+            assert all(
+                s.name.endswith("_total") or s.name.endswith("_created") for s in fam.samples
+            )
         for s in fam.samples:
             assert "step" not in s.labels  # no per-step labels
             if fam.name != "unbroken_build_info":
@@ -76,14 +84,20 @@ def test_naming_follows_prometheus_rules(tmp_path: Path) -> None:
             if fam.name.endswith("_ratio") and "deviation" not in fam.name:
                 assert 0.0 <= s.value <= 1.0, (s.name, s.value)
         if "seconds" in fam.name or "bytes" in fam.name:
-            assert any(fam.name.endswith(u) or fam.name.endswith(u + "_total") for u in units), fam.name
+            assert any(fam.name.endswith(u) or fam.name.endswith(u + "_total") for u in units), (
+                fam.name
+            )
 
 
 def test_counters_never_go_down_when_the_ledger_revises_them(tmp_path: Path) -> None:
     """A record that arrives later can re-assign time already counted (a restarted worker's
     start-up phase is written when it ends, over time that was recovery until then): the
     exporter's counter holds its value instead of dropping."""
-    early = [*steps(0, 8, 0.0), *fault(10.0, restored=None), rec(ev.WORKER_EXIT, 11.5, rank=ev.LAUNCHER_RANK, exit_code=1)]
+    early = [
+        *steps(0, 8, 0.0),
+        *fault(10.0, restored=None),
+        rec(ev.WORKER_EXIT, 11.5, rank=ev.LAUNCHER_RANK, exit_code=1),
+    ]
     late = [rec(ev.PHASE, 12.0, dur_s=1.0, name="import"), *steps(5, 8, 12.0)]
     path = write(tmp_path, early)
     runs = RunSet(tmp_path, record_alerts=False)
@@ -147,6 +161,12 @@ def test_prometheus_rules_file_is_well_formed_and_names_exported_metrics(tmp_pat
             assert not missing, f"{rule['alert']} names metrics nobody exports: {missing}"
             names.add(rule["alert"])
     # One Prometheus rule per ledger rule (and one for a silent rank).
-    assert {"UnbrokenFaultRecovered", "UnbrokenFaultRecurring", "UnbrokenNoProgress",
-            "UnbrokenRestartBudgetNearlySpent", "UnbrokenNoCheckpoint", "UnbrokenLowGoodput",
-            "UnbrokenCheckpointSavesSkipped"} <= names
+    assert {
+        "UnbrokenFaultRecovered",
+        "UnbrokenFaultRecurring",
+        "UnbrokenNoProgress",
+        "UnbrokenRestartBudgetNearlySpent",
+        "UnbrokenNoCheckpoint",
+        "UnbrokenLowGoodput",
+        "UnbrokenCheckpointSavesSkipped",
+    } <= names

@@ -113,8 +113,11 @@ def test_single_run_redirects_and_shows_a_run_being_written(tmp_path: Path, serv
     path = write(run, events[30:60])
     with open(path, "a") as f:
         f.write('{"kind": "step", "ts": 99, "st')  # a record cut mid-write
-    grown = _wait(lambda: (lambda f: f if f and f["steps_completed"] > first["steps_completed"] else None)(
-        s.json("/api/run/job")[1].get("figures")))
+    grown = _wait(
+        lambda: (lambda f: f if f and f["steps_completed"] > first["steps_completed"] else None)(
+            s.json("/api/run/job")[1].get("figures")
+        )
+    )
     snap = s.json("/api/run/job")[1]
     assert snap["status"] == "running" and snap["ledger"]["torn_lines"] == 1
     assert grown["steps_completed"] > first["steps_completed"]
@@ -222,7 +225,11 @@ def test_webhook_posts_alertmanager_payloads(tmp_path: Path, served) -> None:
         receiver.shutdown()
         receiver.server_close()
     body = got[0]
-    assert body["version"] == "4" and body["status"] == "firing" and body["groupLabels"] == {"run": "run-1"}
+    assert (
+        body["version"] == "4"
+        and body["status"] == "firing"
+        and body["groupLabels"] == {"run": "run-1"}
+    )
     names = [a["labels"]["alertname"] for a in body["alerts"]]
     assert "fault_recurring" in names and "fault_recovered" in names
     for a in body["alerts"]:

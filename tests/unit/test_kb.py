@@ -18,10 +18,22 @@ from unbroken.ledger import events as ev
 def _run(root: Path, name: str, *, mode: str, faults: list, every: int) -> Path:
     d = root / name
     events = [
-        rec(ev.PROCESS_START, 0.0, rank=ev.LAUNCHER_RANK, max_restarts=3,
-            config={"steady_timeout_s": 30.0}, entry=["unbroken.workload.train"]),
-        rec(ev.PROCESS_START, 0.0, args={"ckpt_every": every, "ckpt_mode": mode}, world_size=2,
-            torch="2.13.0", host="node-a"),
+        rec(
+            ev.PROCESS_START,
+            0.0,
+            rank=ev.LAUNCHER_RANK,
+            max_restarts=3,
+            config={"steady_timeout_s": 30.0},
+            entry=["unbroken.workload.train"],
+        ),
+        rec(
+            ev.PROCESS_START,
+            0.0,
+            args={"ckpt_every": every, "ckpt_mode": mode},
+            world_size=2,
+            torch="2.13.0",
+            host="node-a",
+        ),
         *steps(0, 19, 0.0),
         *faults,
         rec(ev.JOB_END, 40.0, status="ok"),
@@ -39,10 +51,20 @@ def kb(tmp_path: Path):
 
 
 def test_ingest_search_show_compare(tmp_path: Path, kb: KnowledgeBase) -> None:
-    a = _run(tmp_path, "async-run", mode="async", every=5,
-             faults=fault(21.0, kind="sigkill", layer="launcher", restored=15))
-    b = _run(tmp_path, "sync-run", mode="sync", every=10,
-             faults=fault(21.0, kind="hang-collective", layer="inprocess", restored=10))
+    a = _run(
+        tmp_path,
+        "async-run",
+        mode="async",
+        every=5,
+        faults=fault(21.0, kind="sigkill", layer="launcher", restored=15),
+    )
+    b = _run(
+        tmp_path,
+        "sync-run",
+        mode="sync",
+        every=10,
+        faults=fault(21.0, kind="hang-collective", layer="inprocess", restored=10),
+    )
     kb.ingest(a)
     kb.ingest(b)
     assert [h.name for h in kb.search("sigkill")] == ["async-run"]
@@ -57,7 +79,9 @@ def test_ingest_search_show_compare(tmp_path: Path, kb: KnowledgeBase) -> None:
 
     rec_a = kb.get("async-run")
     assert rec_a.config["train.args.ckpt_every"] == 5 and rec_a.config["launcher.max_restarts"] == 3
-    assert rec_a.faults[0]["kind"] == "sigkill" and rec_a.faults[0]["message"].startswith("injected")
+    assert rec_a.faults[0]["kind"] == "sigkill" and rec_a.faults[0]["message"].startswith(
+        "injected"
+    )
     assert rec_a.results["final_state_sha256"] == "cd" * 32
     assert kb.get(str(a)).name == "async-run" and kb.get("1").name == "async-run"
     shown = text.show(rec_a)
@@ -106,6 +130,17 @@ def test_cli(tmp_path: Path) -> None:
     assert res.returncode == 2 and "no run 'nope'" in res.output and "Traceback" not in res.output
     res = run([*cli, "compare", "cli-run", "cli-run"], timeout_s=60)
     assert res.returncode == 0 and "configuration that differs" in res.output
-    res = run([sys.executable, "-m", "unbroken.cli", "kb", "--db", str(tmp_path / "x.sqlite"),
-               "search", "a"], timeout_s=60)
+    res = run(
+        [
+            sys.executable,
+            "-m",
+            "unbroken.cli",
+            "kb",
+            "--db",
+            str(tmp_path / "x.sqlite"),
+            "search",
+            "a",
+        ],
+        timeout_s=60,
+    )
     assert res.returncode == 2 and "ingest runs first" in res.output

@@ -48,7 +48,7 @@ def test_appends_are_read_once_and_torn_lines_wait_for_their_newline(tmp_path: P
 def test_garbage_lines_are_counted_like_read_run(tmp_path: Path) -> None:
     path = write(tmp_path, faulty_run()[:10])
     with open(path, "ab") as f:
-        f.write(b"not json\n[1, 2]\n{\"kind\": \"nope\", \"ts\": 1}\n\xff\xfe\n")
+        f.write(b'not json\n[1, 2]\n{"kind": "nope", "ts": 1}\n\xff\xfe\n')
     write(tmp_path, faulty_run()[10:20])
     tail = LedgerTail(tmp_path)
     tail.poll()

@@ -68,7 +68,9 @@ class AlertConfig:
                 raise ValueError(f"alert {name} must be > 0 seconds, got {getattr(self, name)}")
         for name in ("budget_ratio", "min_goodput"):
             if not 0 <= getattr(self, name) <= 1:
-                raise ValueError(f"alert {name} must be a ratio in [0, 1], got {getattr(self, name)}")
+                raise ValueError(
+                    f"alert {name} must be a ratio in [0, 1], got {getattr(self, name)}"
+                )
 
     @classmethod
     def from_yaml(cls, path: str | Path) -> AlertConfig:
@@ -153,7 +155,11 @@ def _recurring(faults: Sequence[FaultRecord], cfg: AlertConfig) -> Iterable[Aler
             for j, f in enumerate(group):
                 if j and f.fault_ts - group[j - 1].fault_ts > cfg.recurring_window_s:
                     start = j
-                inside = [g for g in group[start : j + 1] if f.fault_ts - g.fault_ts <= cfg.recurring_window_s]
+                inside = [
+                    g
+                    for g in group[start : j + 1]
+                    if f.fault_ts - g.fault_ts <= cfg.recurring_window_s
+                ]
                 if len(inside) >= cfg.recurring_count and fired != start:
                     fired = start
                     first = group[start]
@@ -267,7 +273,11 @@ def _checkpoint_alerts(
     events: Sequence[Event], steps: Sequence[Event], *, now: float, cfg: AlertConfig
 ) -> Iterable[Alert]:
     ckpt = sorted(
-        (e for e in events if e.rank == 0 and e.kind in (ev.CKPT_COMMIT, ev.CKPT_SKIP, ev.CKPT_STAGE)),
+        (
+            e
+            for e in events
+            if e.rank == 0 and e.kind in (ev.CKPT_COMMIT, ev.CKPT_SKIP, ev.CKPT_STAGE)
+        ),
         key=lambda e: e.ts,
     )
     if not ckpt:

@@ -12,14 +12,15 @@ import sys
 import threading
 from pathlib import Path
 from types import FrameType
-
 from typing import Any
 
 logger = logging.getLogger(__name__)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("path", metavar="PATH", help="a run directory (--run-dir of a job) or a folder of them")
+    p.add_argument(
+        "path", metavar="PATH", help="a run directory (--run-dir of a job) or a folder of them"
+    )
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8765, help="port (default 8765; 0: any free port)")
     p.add_argument(
@@ -30,8 +31,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--webhook", metavar="URL", help="POST new alerts here in Alertmanager's webhook format"
     )
     p.add_argument(
-        "--kb", metavar="DB", help="knowledge base searched from the index (default: $UNBROKEN_KB "
-        "or runs/kb.sqlite)"
+        "--kb",
+        metavar="DB",
+        help="knowledge base searched from the index (default: $UNBROKEN_KB or runs/kb.sqlite)",
     )
     p.add_argument(
         "--no-record-alerts",

@@ -41,9 +41,7 @@ logger = logging.getLogger(__name__)
 SECONDS_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 
 
-def _histogram(
-    name: str, doc: str, rows: list[tuple[str, list[float]]]
-) -> HistogramMetricFamily:
+def _histogram(name: str, doc: str, rows: list[tuple[str, list[float]]]) -> HistogramMetricFamily:
     h = HistogramMetricFamily(name, doc, labels=["run"])
     for run, values in rows:
         buckets = [(repr(le), float(sum(1 for v in values if v <= le))) for le in SECONDS_BUCKETS]
@@ -93,9 +91,7 @@ class LedgerCollector:
         )
         faults = self._counter("unbroken_faults", "Faults seen (injected or natural)", ["kind"])
         lost = self._counter("unbroken_steps_lost", "Steps rolled back by faults", [])
-        skipped = self._counter(
-            "unbroken_checkpoint_saves_skipped", "Checkpoint saves skipped", []
-        )
+        skipped = self._counter("unbroken_checkpoint_saves_skipped", "Checkpoint saves skipped", [])
         commits = self._counter("unbroken_checkpoint_commits", "Checkpoints committed", [])
         launcher = self._counter(
             "unbroken_launcher_restarts", "Launcher restart rounds (all nodes)", []
@@ -126,9 +122,7 @@ class LedgerCollector:
             self._add(lost, [run], sum(f.steps_lost or 0 for f in rep.faults))
             ck = snap.get("checkpoint", {})
             self._add(skipped, [run], ck.get("skipped_total", 0))
-            self._add(
-                commits, [run], sum(1 for e in w.events if e.kind == ev.CKPT_COMMIT)
-            )
+            self._add(commits, [run], sum(1 for e in w.events if e.kind == ev.CKPT_COMMIT))
             rs = snap.get("restarts", {})
             self._add(launcher, [run], rs.get("launcher_used", 0))
             g.run(run, w, snap)
@@ -157,7 +151,9 @@ class LedgerCollector:
 
 
 def _durations(w: RunWatch, kind: str) -> list[float]:
-    return [float(e.dur_s) for e in w.events if e.kind == kind and e.rank == 0 and e.dur_s is not None]
+    return [
+        float(e.dur_s) for e in w.events if e.kind == kind and e.rank == 0 and e.dur_s is not None
+    ]
 
 
 class _Gauges:
@@ -225,7 +221,11 @@ class _Gauges:
             s("unbroken_rank_step_deviation_ratio", rank, r.get("deviation"))
         rs = snap.get("restarts", {})
         if rs.get("launcher_budget"):
-            s("unbroken_restart_budget_used_ratio", [run], rs["launcher_used"] / rs["launcher_budget"])
+            s(
+                "unbroken_restart_budget_used_ratio",
+                [run],
+                rs["launcher_used"] / rs["launcher_budget"],
+            )
         counts: dict[tuple[str, str], int] = {}
         for a in snap.get("alerts", []):
             k = (a["name"], a["severity"])

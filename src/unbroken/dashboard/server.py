@@ -17,6 +17,7 @@ message (JSON for ``/api``), never a traceback; the traceback goes to the log.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import mimetypes
@@ -160,7 +161,9 @@ class _Handler(BaseHTTPRequestHandler):
     def log_message(self, format: str, *args: Any) -> None:
         logger.debug("%s " + format, self.address_string(), *args)
 
-    def _send(self, code: int, body: bytes, ctype: str, headers: dict[str, str] | None = None) -> None:
+    def _send(
+        self, code: int, body: bytes, ctype: str, headers: dict[str, str] | None = None
+    ) -> None:
         self.send_response(code)
         self.send_header("Content-Type", ctype)
         self.send_header("Content-Length", str(len(body)))
@@ -196,10 +199,10 @@ class _Handler(BaseHTTPRequestHandler):
             pass  # the viewer went away
         except Exception as e:
             logger.exception("%s failed", self.path)
-            try:
-                self._error(500, f"internal error ({type(e).__name__}: {e}); see the dashboard's log")
-            except OSError:
-                pass
+            with contextlib.suppress(OSError):
+                self._error(
+                    500, f"internal error ({type(e).__name__}: {e}); see the dashboard's log"
+                )
 
     def _route(self) -> None:
         url = urlparse(self.path)

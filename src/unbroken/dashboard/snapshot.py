@@ -58,7 +58,9 @@ def status_of(events: Sequence[Event]) -> str:
     return "ok" if all(e.get("status") == "ok" for e in ends) else "failed"
 
 
-def _checkpoint(events: Sequence[Event], steps_ts: list[tuple[float, int]], now: float) -> dict[str, Any]:
+def _checkpoint(
+    events: Sequence[Event], steps_ts: list[tuple[float, int]], now: float
+) -> dict[str, Any]:
     commit = stage = persist = None
     staged: dict[int, float] = {}
     done: set[int] = set()

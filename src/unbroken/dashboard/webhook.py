@@ -73,7 +73,9 @@ class Webhook:
     ) -> None:
         parsed = urlparse(url)
         if parsed.scheme not in ("http", "https") or not parsed.netloc:
-            raise ValueError(f"--webhook must be an http(s) URL like http://host:9093/hook, got {url!r}")
+            raise ValueError(
+                f"--webhook must be an http(s) URL like http://host:9093/hook, got {url!r}"
+            )
         if not timeout_s > 0:
             raise ValueError(f"webhook timeout_s must be > 0, got {timeout_s}")
         self.url = url
@@ -119,7 +121,9 @@ class Webhook:
                 except (urllib.error.URLError, OSError, ValueError) as e:
                     if attempt == self.retries:
                         self.failed += 1
-                        logger.warning("webhook %s: %s; %d alert(s) dropped", self.url, e, len(body["alerts"]))
+                        logger.warning(
+                            "webhook %s: %s; %d alert(s) dropped", self.url, e, len(body["alerts"])
+                        )
 
     def close(self) -> None:
         self._queue.put(_STOP)

@@ -102,7 +102,9 @@ def extract(run_dir: str | Path) -> RunRecord:
         d["message"] = messages.get(detected, "") if detected is not None else ""
         faults.append(d)
     ends = [e for e in events if e.kind == ev.JOB_END]
-    status = "running" if not ends else "ok" if all(e.get("status") == "ok" for e in ends) else "failed"
+    status = (
+        "running" if not ends else "ok" if all(e.get("status") == "ok" for e in ends) else "failed"
+    )
     results = {k: v for k, v in report.to_dict().items() if k not in ("faults", "badput_s")}
     results["status"] = status
     results["final_state_sha256"] = final.get("final_state_sha256")

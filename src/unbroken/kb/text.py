@@ -56,8 +56,20 @@ def show(rec: RunRecord) -> str:
     lines += _rows([[k, str(v)] for k, v in sorted(rec.config.items())]) if rec.config else ["-"]
     lines += ["", "faults"]
     if rec.faults:
-        head = ["#", "kind", "rank", "step", "cause", "detector", "layer", "detect s",
-                "recover s", "lost", "tier", "message"]
+        head = [
+            "#",
+            "kind",
+            "rank",
+            "step",
+            "cause",
+            "detector",
+            "layer",
+            "detect s",
+            "recover s",
+            "lost",
+            "tier",
+            "message",
+        ]
         body = [
             [
                 str(f["index"]),
@@ -90,7 +102,9 @@ def compare(a: RunRecord, b: RunRecord) -> str:
     fa, fb = _fault_summary(a), _fault_summary(b)
     lines += ["", "faults by kind"]
     kinds = sorted(set(fa) | set(fb))
-    lines += _rows([[k, str(fa.get(k, 0)), str(fb.get(k, 0))] for k in kinds]) if kinds else ["none"]
+    lines += (
+        _rows([[k, str(fa.get(k, 0)), str(fb.get(k, 0))] for k in kinds]) if kinds else ["none"]
+    )
     keys = sorted(set(a.config) | set(b.config))
     diff = [k for k in keys if a.config.get(k) != b.config.get(k) and not k.endswith(".host")]
     lines += ["", "configuration that differs"]

@@ -89,8 +89,8 @@ class LedgerTail:
             if stat.S_ISREG(st.st_mode):
                 stats[path.name] = (path, st)
         for name, state in self._files.items():
-            st = stats.get(name)
-            if st is None or st[1].st_ino != state.inode or st[1].st_size < state.offset:
+            seen = stats.get(name)
+            if seen is None or seen[1].st_ino != state.inode or seen[1].st_size < state.offset:
                 logger.info("ledger file %s shrank or was replaced: reading the run again", name)
                 self._reset()
                 break
