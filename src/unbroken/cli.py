@@ -121,6 +121,7 @@ BENCHES: dict[str, tuple[str, str]] = {
     "recovery": ("recovery", "the published recovery comparison, every layer side by side"),
     "checkpoint": ("checkpoint", "checkpoint stall and efficiency: none, DCP sync/async, ours"),
     "restart": ("restart", "launcher restart: SIGKILL/SIGSTOP -> training again, vs torchrun"),
+    "dashboard": ("dashboard", "what watching a job costs: refresh on a long run, step time"),
 }
 
 

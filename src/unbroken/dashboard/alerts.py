@@ -31,6 +31,7 @@ from typing import Any
 
 import yaml
 
+from unbroken.dashboard.index import EventIndex
 from unbroken.ledger import events as ev
 from unbroken.ledger.events import Event
 from unbroken.ledger.goodput import FaultRecord, RunReport, compute
@@ -177,11 +178,12 @@ def _recurring(faults: Sequence[FaultRecord], cfg: AlertConfig) -> Iterable[Aler
                     )
 
 
-def restart_budget(events: Sequence[Event]) -> tuple[int, int | None]:
+def restart_budget(events: Iterable[Event] | EventIndex) -> tuple[int, int | None]:
     """(launcher restarts used, the launcher's --max-restarts, or None if unknown)."""
+    index = EventIndex.of(events)
     budget = None
     rounds = set()
-    for e in events:
+    for e in index.kinds(ev.PROCESS_START, ev.RESTART_BEGIN):
         if e.rank != ev.LAUNCHER_RANK:
             continue
         if e.kind == ev.PROCESS_START and e.get("max_restarts") is not None:
@@ -191,10 +193,29 @@ def restart_budget(events: Sequence[Event]) -> tuple[int, int | None]:
     return len(rounds), budget
 
 
+def windowed_goodput(index: EventIndex, window_s: float) -> float | None:
+    """Training goodput of the records ending in the last ``window_s`` of the ledger (None while
+    the run is shorter than the window)."""
+    if index.t1 - index.t0 < window_s or not index.ref_steps:
+        return None
+    window = index.since(index.t1 - window_s)
+    return compute(window).training_goodput if window else None
+
+
 def evaluate(
-    events: Sequence[Event], report: RunReport, *, now: float, cfg: AlertConfig
+    events: Iterable[Event] | EventIndex,
+    report: RunReport,
+    *,
+    now: float,
+    cfg: AlertConfig,
+    goodput_window: float | None | bool = True,
 ) -> list[Alert]:
-    """Every alert that holds for the run at ``now`` (epoch seconds), in a stable order."""
+    """Every alert that holds for the run at ``now`` (epoch seconds), in a stable order.
+
+    ``goodput_window``: the windowed training goodput if the caller has it (None: not judged
+    yet), or True to compute it here (``windowed_goodput``).
+    """
+    index = EventIndex.of(events)
     out: list[Alert] = []
     faults = [f for f in report.faults if f.disruptive]
     for f in faults:
@@ -214,8 +235,7 @@ def evaluate(
                 )
             )
     out.extend(_recurring(faults, cfg))
-    steps = [e for e in events if e.kind == ev.STEP and e.rank == 0 and e.get("step") is not None]
-    steps.sort(key=lambda e: e.ts)
+    steps = index.ref_steps
     high, high_ts = -1, None
     for e in steps:
         if int(e.get("step")) > high:
@@ -233,7 +253,7 @@ def evaluate(
                 value=float(len(since)),
             )
         )
-    used, budget = restart_budget(events)
+    used, budget = restart_budget(index)
     if budget and used / budget >= cfg.budget_ratio:
         out.append(
             Alert(
@@ -245,39 +265,31 @@ def evaluate(
                 value=used / budget,
             )
         )
-    out.extend(_checkpoint_alerts(events, steps, now=now, cfg=cfg))
-    if report.wall_s >= cfg.goodput_window_s and steps:
-        t1 = max(e.ts for e in events)
-        start = t1 - cfg.goodput_window_s
-        window = [e for e in events if e.ts >= start and e.kind != ev.ALERT]
-        if window:
-            g = compute(window).training_goodput
-            if g < cfg.min_goodput:
-                out.append(
-                    Alert(
-                        name="low_goodput",
-                        severity="warning",
-                        key=f"low_goodput:{int(start // cfg.goodput_window_s)}",
-                        summary=(
-                            f"training goodput {g * 100:.1f}% over the last "
-                            f"{cfg.goodput_window_s:g} s (threshold {cfg.min_goodput * 100:.0f}%)"
-                        ),
-                        ts=t1,
-                        value=g,
-                    )
-                )
+    out.extend(_checkpoint_alerts(index, steps, now=now, cfg=cfg))
+    g = windowed_goodput(index, cfg.goodput_window_s) if goodput_window is True else goodput_window
+    if isinstance(g, float) and g < cfg.min_goodput:
+        start = index.t1 - cfg.goodput_window_s
+        out.append(
+            Alert(
+                name="low_goodput",
+                severity="warning",
+                key=f"low_goodput:{int(start // cfg.goodput_window_s)}",
+                summary=(
+                    f"training goodput {g * 100:.1f}% over the last "
+                    f"{cfg.goodput_window_s:g} s (threshold {cfg.min_goodput * 100:.0f}%)"
+                ),
+                ts=index.t1,
+                value=g,
+            )
+        )
     return out
 
 
 def _checkpoint_alerts(
-    events: Sequence[Event], steps: Sequence[Event], *, now: float, cfg: AlertConfig
+    index: EventIndex, steps: Sequence[Event], *, now: float, cfg: AlertConfig
 ) -> Iterable[Alert]:
     ckpt = sorted(
-        (
-            e
-            for e in events
-            if e.rank == 0 and e.kind in (ev.CKPT_COMMIT, ev.CKPT_SKIP, ev.CKPT_STAGE)
-        ),
+        (e for e in index.kinds(ev.CKPT_COMMIT, ev.CKPT_SKIP, ev.CKPT_STAGE) if e.rank == 0),
         key=lambda e: e.ts,
     )
     if not ckpt:

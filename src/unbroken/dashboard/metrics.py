@@ -122,7 +122,7 @@ class LedgerCollector:
             self._add(lost, [run], sum(f.steps_lost or 0 for f in rep.faults))
             ck = snap.get("checkpoint", {})
             self._add(skipped, [run], ck.get("skipped_total", 0))
-            self._add(commits, [run], sum(1 for e in w.events if e.kind == ev.CKPT_COMMIT))
+            self._add(commits, [run], len(w.index.get(ev.CKPT_COMMIT)))
             rs = snap.get("restarts", {})
             self._add(launcher, [run], rs.get("launcher_used", 0))
             g.run(run, w, snap)
@@ -151,9 +151,7 @@ class LedgerCollector:
 
 
 def _durations(w: RunWatch, kind: str) -> list[float]:
-    return [
-        float(e.dur_s) for e in w.events if e.kind == kind and e.rank == 0 and e.dur_s is not None
-    ]
+    return [float(e.dur_s) for e in w.index.get(kind) if e.rank == 0 and e.dur_s is not None]
 
 
 class _Gauges:

@@ -23,6 +23,7 @@ from typing import Any
 
 from unbroken.dashboard import alerts as alerts_
 from unbroken.dashboard import snapshot
+from unbroken.dashboard.index import EventIndex
 from unbroken.ledger import Ledger
 from unbroken.ledger import events as ev
 from unbroken.ledger.events import Event
@@ -32,6 +33,7 @@ from unbroken.ledger.tail import LedgerTail
 logger = logging.getLogger(__name__)
 
 AlertSink = Callable[["RunWatch", list[alerts_.Alert]], None]
+BUDGET_FACTOR = 10.0
 
 
 class RunWatch:
@@ -52,8 +54,8 @@ class RunWatch:
         self.record_alerts = record_alerts
         self.on_alerts = on_alerts
         self.tail = LedgerTail(run_dir)
-        self.events: list[Event] = []
-        """The run's records, alert records excluded."""
+        self.index = EventIndex()
+        """The run's records (alert records excluded), by kind."""
         self.report: RunReport | None = None
         self.snapshot: dict[str, Any] = self._waiting()
         self.version = 0
@@ -63,6 +65,9 @@ class RunWatch:
         self._generation = 0
         self.compute_s = 0.0
         """Seconds the last refresh spent (tail, report, alerts, snapshot)."""
+        self.due = 0.0
+        """Monotonic time before which ``refresh(force=False)`` skips this run (the CPU budget)."""
+        self._window: tuple[float, float | None] = (float("-inf"), None)
 
     def _waiting(self) -> dict[str, Any]:
         where = self.tail.events_dir
@@ -77,28 +82,49 @@ class RunWatch:
     def status(self) -> str:
         return str(self.snapshot.get("status", "waiting"))
 
-    def refresh(self, now: float | None = None) -> bool:
-        """Read what the ledger gained; True when the snapshot changed."""
+    @property
+    def events(self) -> list[Event]:
+        """The run's records, alert records excluded, in arrival order."""
+        return self.index.all
+
+    def refresh(self, now: float | None = None, *, force: bool = True) -> bool:
+        """Read what the ledger gained; True when the snapshot changed.
+
+        With ``force=False`` a run is skipped until ``due``: a refresh that cost c seconds is
+        followed by the next no sooner than ``BUDGET_FACTOR * c`` later, so watching a long run
+        takes at most about 1/BUDGET_FACTOR of a core, whatever its size.
+        """
+        mono = time.monotonic()
+        if not force and mono < self.due:
+            return False
         t = time.perf_counter()
         now = time.time() if now is None else now
         new = self.tail.poll()
         if self.tail.generation != self._generation:
             self._generation = self.tail.generation
-            self.events, self.alerts = [], {}
+            self.index, self.alerts = EventIndex(), {}
+            self._window = (float("-inf"), None)
             new = list(self.tail.events)
         for e in new:
             if e.kind == ev.ALERT:
                 a = alerts_.Alert.from_event(e)
                 self.alerts.setdefault(a.key, a)
-            else:
-                self.events.append(e)
-        if not self.events:
+        self.index.add(new)
+        try:
+            return self._refresh(now, new)
+        finally:
+            self.compute_s = time.perf_counter() - t
+            self.due = mono + BUDGET_FACTOR * self.compute_s
+
+    def _refresh(self, now: float, new: list[Event]) -> bool:
+        if not self.index:
             changed = self.snapshot.get("status") != "waiting" or bool(new)
             self.snapshot = self._waiting()
             self.version += changed
             return changed
-        if not new and self.report is not None and self.status not in ("running", "error"):
-            return False  # a finished run changes only when records arrive
+        finished = self.report is not None and self.status != "running"
+        if not new and (finished or self.status == "error"):
+            return False  # a finished (or unreadable) run changes only when records arrive
         try:
             self._update(now, recompute=bool(new) or self.report is None)
         except (ValueError, TypeError, KeyError) as e:  # a record that parses but makes no sense
@@ -112,20 +138,34 @@ class RunWatch:
                 "alerts": [],
             }
         self.version += 1
-        self.compute_s = time.perf_counter() - t
         return True
+
+    def _windowed_goodput(self) -> float | None:
+        """The windowed goodput for the low-goodput rule, recomputed at most every 1/20 window."""
+        cfg = self.alert_config
+        at, value = self._window
+        if self.index.t1 - at >= cfg.goodput_window_s / 20:
+            value = alerts_.windowed_goodput(self.index, cfg.goodput_window_s)
+            self._window = (self.index.t1, value)
+        return value
 
     def _update(self, now: float, *, recompute: bool) -> None:
         if recompute or self.report is None:
-            self.report = compute(self.events)
-        raised = alerts_.evaluate(self.events, self.report, now=now, cfg=self.alert_config)
+            self.report = compute(self.index.all)
+        raised = alerts_.evaluate(
+            self.index,
+            self.report,
+            now=now,
+            cfg=self.alert_config,
+            goodput_window=self._windowed_goodput(),
+        )
         fresh = [a for a in raised if a.key not in self.alerts]
         for a in fresh:
             self.alerts[a.key] = a
         if fresh:
             self._record(fresh)
         self.snapshot = snapshot.build(
-            self.events,
+            self.index,
             self.report,
             name=self.name,
             now=now,
@@ -135,7 +175,7 @@ class RunWatch:
                 "torn_lines": self.tail.torn_lines,
                 "bad_lines": len(self.tail.bad_lines),
                 "bad_line_positions": self.tail.bad_lines[:20],
-                "records": len(self.events),
+                "records": len(self.index),
             },
         )
 
@@ -266,7 +306,7 @@ class RunSet:
             changed = grew
             for w in list(self.watches.values()):
                 try:
-                    changed |= w.refresh()
+                    changed |= w.refresh(force=False)
                 except Exception:  # one bad run must not stop the others
                     logger.exception("refreshing %s failed", w.name)
         if changed:

@@ -21,10 +21,10 @@ records here, by these definitions:
 from __future__ import annotations
 
 import statistics
-from collections.abc import Sequence
 from typing import Any
 
 from unbroken.dashboard.alerts import restart_budget
+from unbroken.dashboard.index import REF, EventIndex
 from unbroken.ledger import events as ev
 from unbroken.ledger.events import Event
 from unbroken.ledger.goodput import RunReport
@@ -33,7 +33,6 @@ MAX_POINTS = 2000
 RATE_WINDOW_S = 30.0
 RANK_WINDOW = 20
 STRAGGLER = 0.2
-REF = 0
 
 
 def _thin(points: list[tuple[float, int]]) -> list[tuple[float, int]]:
@@ -49,18 +48,17 @@ def _thin(points: list[tuple[float, int]]) -> list[tuple[float, int]]:
     return [points[i] for i in sorted(keep)]
 
 
-def status_of(events: Sequence[Event]) -> str:
+def status_of(index: EventIndex) -> str:
     """``running``, ``ok`` or ``failed``: the launcher's job_end, else rank 0's, else running."""
-    launcher = [e for e in events if e.kind == ev.JOB_END and e.rank == ev.LAUNCHER_RANK]
-    ends = launcher or [e for e in events if e.kind == ev.JOB_END and e.rank == REF]
+    job_ends = index.get(ev.JOB_END)
+    launcher = [e for e in job_ends if e.rank == ev.LAUNCHER_RANK]
+    ends = launcher or [e for e in job_ends if e.rank == REF]
     if not ends:
         return "running"
     return "ok" if all(e.get("status") == "ok" for e in ends) else "failed"
 
 
-def _checkpoint(
-    events: Sequence[Event], steps_ts: list[tuple[float, int]], now: float
-) -> dict[str, Any]:
+def _checkpoint(index: EventIndex, steps_ts: list[tuple[float, int]], now: float) -> dict[str, Any]:
     commit = stage = persist = None
     staged: dict[int, float] = {}
     done: set[int] = set()
@@ -68,7 +66,8 @@ def _checkpoint(
     skipped_total: set[int] = set()
     blocking: list[float] = []
     persists: list[tuple[float, int, float]] = []
-    for e in events:
+    ckpt_kinds = (ev.CKPT_STAGE, ev.CKPT_PERSIST, ev.CKPT_COMMIT, ev.CKPT_SKIP, ev.CKPT_FAIL)
+    for e in sorted(index.kinds(*ckpt_kinds), key=lambda e: e.ts):
         if e.kind == ev.CKPT_COMMIT:
             commit = e if commit is None or e.ts >= commit.ts else commit
             done.add(int(e.get("step", -1)))
@@ -115,10 +114,10 @@ def _checkpoint(
     }
 
 
-def _ranks(events: Sequence[Event], now: float) -> list[dict[str, Any]]:
+def _ranks(index: EventIndex, now: float) -> list[dict[str, Any]]:
     per: dict[int, list[Event]] = {}
-    for e in events:
-        if e.kind == ev.STEP and e.rank >= 0:
+    for e in index.get(ev.STEP):
+        if e.rank >= 0:
             per.setdefault(e.rank, []).append(e)
     rows = []
     for rank, recs in sorted(per.items()):
@@ -146,7 +145,7 @@ def _ranks(events: Sequence[Event], now: float) -> list[dict[str, Any]]:
 
 
 def build(
-    events: Sequence[Event],
+    index: EventIndex,
     report: RunReport,
     *,
     name: str,
@@ -155,16 +154,11 @@ def build(
     ledger: dict[str, Any],
 ) -> dict[str, Any]:
     """The run's snapshot (see the module docstring); ``now`` is epoch seconds."""
-    t0 = min(e.begin for e in events)
-    t1 = max(e.ts for e in events if e.kind != ev.ALERT)
-    status = status_of(events)
+    t0, t1 = index.t0, index.t1
+    status = status_of(index)
     if status != "running":
         now = t1  # ages of a finished run are frozen at its end
-    ref_steps = sorted(
-        (e for e in events if e.kind == ev.STEP and e.rank == REF and e.get("step") is not None),
-        key=lambda e: e.ts,
-    )
-    points = [(e.ts, int(e.get("step"))) for e in ref_steps]
+    points = [(e.ts, int(e.get("step"))) for e in index.ref_steps]
     series = _thin([(t - t0, s) for t, s in points])
     rate_from = t1 - RATE_WINDOW_S
     recent = [t for t, _ in points if t >= rate_from]
@@ -174,7 +168,7 @@ def build(
         d = f.to_dict()
         d["t"] = f.fault_ts - t0
         faults.append(d)
-    used, budget = restart_budget(events)
+    used, budget = restart_budget(index)
     return {
         "name": name,
         "run": report.run,
@@ -201,8 +195,8 @@ def build(
         "badput_s": report.badput_s,
         "series": {"t": [p[0] for p in series], "step": [p[1] for p in series]},
         "faults": faults,
-        "checkpoint": _checkpoint(events, points, now),
-        "ranks": _ranks(events, now),
+        "checkpoint": _checkpoint(index, points, now),
+        "ranks": _ranks(index, now),
         "restarts": {
             "launcher_used": used,
             "launcher_budget": budget,
