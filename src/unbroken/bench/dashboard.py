@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -208,10 +209,8 @@ def _viewer(url: str, run: str, stop: threading.Event) -> None:
     t = threading.Thread(target=stream, daemon=True)
     t.start()
     while not stop.wait(1.0):
-        try:
-            urllib.request.urlopen(url + "metrics", timeout=10).read()
-        except OSError:
-            pass
+        with contextlib.suppress(OSError), urllib.request.urlopen(url + "metrics", timeout=10) as r:
+            r.read()
 
 
 def _job(run_dir: Path, steps: int, *, watched: bool) -> float:
