@@ -9,6 +9,7 @@ import socket
 import threading
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from http.server import BaseHTTPRequestHandler, HTTPServer
 from pathlib import Path
@@ -253,3 +254,20 @@ def test_webhook_refuses_a_bad_url_and_survives_a_dead_receiver() -> None:
 def test_missing_path_is_refused(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError, match="does not exist"):
         RunSet(tmp_path / "nope")
+
+
+def test_index_search_goes_to_the_knowledge_base(tmp_path: Path, served) -> None:
+    from unbroken.kb import KnowledgeBase
+
+    write(tmp_path / "a", faulty_run())
+    s = served(tmp_path)
+    code, res = s.json("/api/search?q=exception")
+    assert code == 200 and res["hits"] == [] and "unbroken kb ingest" in res["note"]
+    with KnowledgeBase(tmp_path / "kb.sqlite") as kb:
+        kb.ingest(tmp_path / "a")
+    code, res = s.json("/api/search?q=exception")
+    assert code == 200 and [h["served_as"] for h in res["hits"]] == ["a"]
+    code, res = s.json("/api/search?q=" + urllib.parse.quote('"unbalanced AND ('))
+    assert code == 200 and res["hits"] == []  # not FTS5 syntax: searched as words, no error
+    code, res = s.json("/api/search?q=")
+    assert code == 400 and "empty search" in res["error"]
