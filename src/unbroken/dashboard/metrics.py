@@ -5,15 +5,16 @@ Every value comes from a ``RunWatch`` (its ``RunReport`` and snapshot), so it ag
 ratios in 0-1, a ``run`` label on every series and no per-step labels.
 
 Counters stay monotonic: the exporter keeps each counter series' highest value and never exports
-less. The ledger can revise a figure downward (a step rolled back stops being productive time and
-becomes re-executed time); such a counter holds until the run's work passes it again, so
-``rate()`` shows no productive time while lost steps are re-executed, which is what happened.
-A fresh exporter (a new launcher or dashboard process) starts from the ledger's figures, so at the
-end of a run every counter equals ``unbroken report``'s figure. Since the launcher's exporter
-lives as long as the job, worker restarts never reset its counters.
+less. The ledger can revise a figure downward: a record written when its interval ends
+re-assigns time already counted (a restarted worker's start-up phase over what was recovery
+time until then), and a rolled-back step's time moves from productive to re-executed. Such a
+counter holds until the run passes it again. So an exporter that watched a run may end slightly
+above the report's figure for such a category; a fresh exporter (a new process reading the
+ledger) exports exactly the report's figures. Since the launcher's exporter lives as long as the
+job, worker restarts never reset its counters.
 
 ``unbroken-run --ft-metrics-port`` serves the same collector over its run directory
-(``serve_run``).
+(``MetricsServer``).
 """
 
 from __future__ import annotations
