@@ -60,7 +60,7 @@ def main(args: argparse.Namespace) -> int:
             webhook.send(fresh, run=w.report.run if w.report is not None else w.name)
 
     runs = RunSet(
-        Path(args.path),
+        Path(args.path).absolute(),
         alert_config=cfg,
         record_alerts=not args.no_record_alerts,
         on_alerts=on_alerts,
