@@ -213,7 +213,14 @@ def _viewer(url: str, run: str, stop: threading.Event) -> None:
             r.read()
 
 
-def _job(run_dir: Path, steps: int, *, watched: bool) -> float:
+def _cpu_s(pid: int) -> float:
+    """User + system CPU seconds of a live process (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _job(run_dir: Path, steps: int, *, watched: bool) -> tuple[float, float | None, float]:
+    """(median step s, CPU seconds the dashboard used or None, job wall seconds)."""
     env = dict(os.environ, OMP_NUM_THREADS="1")
     dash = None
     stop = threading.Event()
@@ -241,6 +248,9 @@ def _job(run_dir: Path, steps: int, *, watched: bool) -> float:
         url = dash.stdout.readline().split()[2]
         viewer = threading.Thread(target=_viewer, args=(url, run_dir.name, stop), daemon=True)
         viewer.start()
+    t0 = time.monotonic()
+    dash_cpu = None
+    cpu0 = _cpu_s(dash.pid) if dash is not None else 0.0  # its start-up is not watching
     try:
         cmd = [
             sys.executable,
@@ -263,6 +273,8 @@ def _job(run_dir: Path, steps: int, *, watched: bool) -> float:
         res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
         if res.returncode != 0:
             raise RuntimeError(f"job failed ({res.returncode}): {res.stderr[-2000:]}")
+        if dash is not None:
+            dash_cpu = _cpu_s(dash.pid) - cpu0
     finally:
         stop.set()
         if dash is not None:
@@ -270,18 +282,25 @@ def _job(run_dir: Path, steps: int, *, watched: bool) -> float:
             dash.wait(timeout=30)
         if viewer is not None:
             viewer.join(timeout=5)
+    wall = time.monotonic() - t0
     rep = goodput.compute(read_events(run_dir))
     assert rep.step_time_s_median is not None
-    return rep.step_time_s_median
+    return rep.step_time_s_median, dash_cpu, wall
 
 
 def step_time(root: Path, steps: int, trials: int) -> dict[str, Any]:
     alone: list[float] = []
     watched: list[float] = []
+    cpu_share: list[float] = []
     for i in range(trials):
-        for name, out in (("alone", alone), ("watched", watched)):
-            out.append(_job(root / f"{name}-{i}", steps, watched=name == "watched"))
-            print(f"  {name} #{i}: median step {out[-1] * 1000:.1f} ms", flush=True)
+        for name in ("alone", "watched"):
+            step_s, cpu, wall = _job(root / f"{name}-{i}", steps, watched=name == "watched")
+            (alone if name == "alone" else watched).append(step_s)
+            extra = ""
+            if cpu is not None:
+                cpu_share.append(cpu / wall)
+                extra = f", dashboard CPU {cpu:.2f} s over {wall:.0f} s ({100 * cpu / wall:.1f}% of a core)"
+            print(f"  {name} #{i}: median step {step_s * 1000:.1f} ms{extra}", flush=True)
     a, w = statistics.median(alone), statistics.median(watched)
     return {
         "steps": steps,
@@ -291,6 +310,7 @@ def step_time(root: Path, steps: int, trials: int) -> dict[str, Any]:
         "alone_median_s": a,
         "watched_median_s": w,
         "ratio": w / a,
+        "dashboard_cpu_share": cpu_share,
     }
 
 
@@ -319,6 +339,8 @@ def main(a: argparse.Namespace) -> int:
             out["step_time"] = st
             print(f"  alone   {st['alone_median_s'] * 1000:.1f} ms")
             print(f"  watched {st['watched_median_s'] * 1000:.1f} ms  (x{st['ratio']:.3f})")
+            share = statistics.median(st["dashboard_cpu_share"])
+            print(f"  the dashboard used {100 * share:.1f}% of one core while it watched")
     if a.json:
         Path(a.json).write_text(json.dumps(out, indent=2) + "\n")
     return 0
