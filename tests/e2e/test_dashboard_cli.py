@@ -56,3 +56,32 @@ def test_metrics_port_is_checked_with_the_other_options() -> None:
         lconfig.LauncherConfig(metrics_port=70000)
     with pytest.raises(ValueError, match="--ft-metrics-port: metrics_port must be an int"):
         lconfig.coerce("metrics_port", "http", source="--ft-metrics-port")
+
+
+def test_bench_dashboard_refresh_cost_runs(tmp_path: Path) -> None:
+    """The benchmark's refresh part on a small synthetic run (its figures are not asserted)."""
+    out = tmp_path / "cost.json"
+    res = run(
+        [
+            sys.executable,
+            "-m",
+            "unbroken.cli",
+            "bench",
+            "dashboard",
+            "--skip-job",
+            "--long-steps",
+            "600",
+            "--json",
+            str(out),
+            "--dir",
+            str(tmp_path),
+        ],
+        timeout_s=120,
+    )
+    assert res.returncode == 0, res.output
+    import json
+
+    cost = json.loads(out.read_text())["refresh"]
+    assert cost["records"] > 1200
+    for key in ("report_full_s", "dashboard_first_load_s", "refresh_after_a_step_s"):
+        assert cost[key] > 0
