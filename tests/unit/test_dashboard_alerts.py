@@ -144,3 +144,15 @@ def test_config_refuses_bad_values_and_files(tmp_path: Path) -> None:
     assert AlertConfig.from_yaml(good).recurring_count == 2
     with pytest.raises(FileNotFoundError):
         AlertConfig.from_yaml(tmp_path / "missing.yaml")
+
+
+def test_dashboard_help_names_every_threshold() -> None:
+    import argparse
+    import dataclasses
+
+    from unbroken.dashboard import app
+
+    p = argparse.ArgumentParser()
+    app.add_arguments(p)
+    text = "".join(p.format_help().split())
+    assert all(f.name in text for f in dataclasses.fields(AlertConfig))

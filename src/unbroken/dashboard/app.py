@@ -26,7 +26,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--refresh-s", type=float, default=1.0, help="seconds between two reads of the ledgers"
     )
-    p.add_argument("--alerts", metavar="YAML", help="alert thresholds (keys of AlertConfig)")
+    p.add_argument(
+        "--alerts",
+        metavar="YAML",
+        help="alert thresholds, a mapping of: recurring_count, recurring_window_s, "
+        "no_progress_restarts, budget_ratio, max_commit_age_s, goodput_window_s, min_goodput, "
+        "skipped_in_a_row",
+    )
     p.add_argument(
         "--webhook", metavar="URL", help="POST new alerts here in Alertmanager's webhook format"
     )
