@@ -5,15 +5,24 @@
 #   inprocess  in-process restart with unbroken-run behind it (every layer)
 #   launcher   unbroken-run restarts only (--no-inprocess)
 #   baseline   an emulation of Kubernetes alone: whole-job relaunch with CrashLoopBackOff
-# then the table (training/infrastructure goodput, recovery, steps lost, = clean?) and an
-# HTML report.
+# then the table (training/infrastructure goodput, recovery, steps lost, = clean?), an HTML
+# report, the runs ingested into the knowledge base, and how to open the dashboard on them.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-runs/demo-$(date +%Y%m%d-%H%M%S)}
 export OMP_NUM_THREADS=1
-exec .venv/bin/unbroken bench recovery \
+rc=0
+.venv/bin/unbroken bench recovery \
   --configs inprocess launcher baseline \
   --model tiny --steps 500 --batch-size 8 --seq-len 64 --ckpt-every 5 \
   --faults 5 --kinds exception sigkill hang --seed 42 \
   --hang-timeout-s 0.5 --pg-timeout-s 3 --pod-restart-s 1 \
-  --out "$OUT" --json "$OUT/results.json" "$@"
+  --out "$OUT" --json "$OUT/results.json" "$@" || rc=$?
+cat <<MSG
+
+Open the dashboard on these runs (faults, rollbacks, alerts, /metrics):
+  .venv/bin/unbroken dashboard $OUT        # then browse http://127.0.0.1:8765/
+Search every run the demo and the benchmarks recorded:
+  .venv/bin/unbroken kb search sigkill     # or: kb show $OUT/inprocess, kb compare ...
+MSG
+exit $rc

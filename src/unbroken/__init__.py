@@ -2,7 +2,7 @@
 
 The public API. Importing ``unbroken`` does not import torch: names that need it load on
 first use. Each name is re-exported from the package that owns it. Imports of ours:
-``unbroken.errors``, ``unbroken.env``, ``unbroken.ledger``, ``unbroken.checkpoint``,
+``unbroken.errors``, ``unbroken.version``, ``unbroken.env``, ``unbroken.ledger``, ``unbroken.checkpoint``,
 ``unbroken.restart``, ``unbroken.launcher.client``.
 """
 
@@ -12,13 +12,13 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 from unbroken.errors import UnbrokenError
+from unbroken.version import __version__
 
 if TYPE_CHECKING:
     from unbroken.checkpoint import Checkpointer, CheckpointError, PerRank
     from unbroken.launcher.client import heartbeat
     from unbroken.restart import RestartConfig, RestartContext, run
 
-__version__ = "0.1.0"
 
 __all__ = [
     "CheckpointError",

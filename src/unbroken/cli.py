@@ -1,4 +1,5 @@
-"""The ``unbroken`` umbrella CLI: reports, fault plans, benchmarks."""
+"""The ``unbroken`` umbrella CLI: reports, the dashboard, the knowledge base, fault plans,
+benchmarks."""
 
 from __future__ import annotations
 
@@ -72,12 +73,51 @@ def _cmd_faults_show(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_dashboard(args: argparse.Namespace) -> int:
+    from unbroken.dashboard import app
+
+    return app.main(args)
+
+
+def _cmd_kb(args: argparse.Namespace) -> int:
+    from unbroken.kb import KnowledgeBase, text
+
+    if args.kb_command == "ingest":
+        failed = 0
+        with KnowledgeBase(args.db) as kb:
+            for run_dir in args.run_dirs:
+                try:
+                    rec = kb.ingest(run_dir)
+                except (FileNotFoundError, ValueError) as e:
+                    print(f"error: {e}", file=sys.stderr)
+                    failed += 1
+                    continue
+                print(f"ingested {rec.name}: {rec.status}, {len(rec.faults)} fault(s) -> {kb.path}")
+        return 2 if failed else 0
+    with KnowledgeBase(args.db, create=False) as kb:
+        if args.kb_command == "search":
+            hits = kb.search(" ".join(args.query), limit=args.limit)
+            if not hits:
+                print(f"no run matches {' '.join(args.query)!r} in {kb.path}")
+            for h in hits:
+                goodput = "-" if h.training_goodput is None else f"{h.training_goodput * 100:.1f}%"
+                print(f"{h.id:>4}  {h.name}  {h.status}  goodput {goodput}  faults {h.faults}")
+                print(f"      {h.path}")
+                print(f"      {' '.join(h.snippet.split())}")
+        elif args.kb_command == "show":
+            print(text.show(kb.get(args.run)), end="")
+        else:
+            print(text.compare(kb.get(args.runs[0]), kb.get(args.runs[1])), end="")
+    return 0
+
+
 # name -> (module under unbroken.bench, help); each module has add_arguments(p) and main(args).
 BENCHES: dict[str, tuple[str, str]] = {
     "ledger": ("ledger", "cost of a ledger record on the training thread"),
     "recovery": ("recovery", "the published recovery comparison, every layer side by side"),
     "checkpoint": ("checkpoint", "checkpoint stall and efficiency: none, DCP sync/async, ours"),
     "restart": ("restart", "launcher restart: SIGKILL/SIGSTOP -> training again, vs torchrun"),
+    "dashboard": ("dashboard", "what watching a job costs: refresh on a long run, step time"),
 }
 
 
@@ -108,6 +148,28 @@ def build_parser() -> argparse.ArgumentParser:
     fs.add_argument("--world-size", type=int, default=None, help="check ranks against a world")
     fs.set_defaults(func=_cmd_faults_show)
 
+    from unbroken.dashboard.app import add_arguments as dashboard_arguments
+
+    d = sub.add_parser("dashboard", help="a live web view of runs, with /metrics and alerts")
+    dashboard_arguments(d)
+    d.set_defaults(func=_cmd_dashboard)
+
+    k = sub.add_parser("kb", help="the searchable record of runs (SQLite FTS5)")
+    k.add_argument(
+        "--db", default=None, help="the database (default: $UNBROKEN_KB or runs/kb.sqlite)"
+    )
+    ksub = k.add_subparsers(dest="kb_command", required=True)
+    ki = ksub.add_parser("ingest", help="index run directories (again: replaces them)")
+    ki.add_argument("run_dirs", nargs="+", metavar="RUN_DIR")
+    ks = ksub.add_parser("search", help="runs matching words or an FTS5 query")
+    ks.add_argument("query", nargs="+", metavar="QUERY")
+    ks.add_argument("--limit", type=int, default=20)
+    ksh = ksub.add_parser("show", help="one run: results, configuration, faults")
+    ksh.add_argument("run", metavar="RUN", help="an id, a path or a name")
+    kc = ksub.add_parser("compare", help="two runs side by side")
+    kc.add_argument("runs", nargs=2, metavar="RUN")
+    k.set_defaults(func=_cmd_kb)
+
     b = sub.add_parser("bench", help="benchmarks")
     bsub = b.add_subparsers(dest="bench", required=True)
     for name, (_, help_text) in BENCHES.items():
@@ -121,7 +183,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return int(args.func(args))
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, FileNotFoundError, LookupError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
 

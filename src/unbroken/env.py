@@ -127,6 +127,8 @@ UNBROKEN_HEARTBEAT_INTERVAL_S = "UNBROKEN_HEARTBEAT_INTERVAL_S"
 """Least seconds between two heartbeat datagrams of one worker (unless its step changed)."""
 UNBROKEN_STORE_ADDR = "UNBROKEN_STORE_ADDR"
 """host:port of an agent-hosted TCPStore that lives for the whole job (coordination store)."""
+UNBROKEN_KB = "UNBROKEN_KB"
+"""Path of the knowledge base (SQLite) that ``unbroken kb`` and the dashboard use."""
 UNBROKEN_AGENT_PID = "UNBROKEN_AGENT_PID"
 """Pid of the node's agent: what a ``node-loss`` fault kills with every process below it."""
 

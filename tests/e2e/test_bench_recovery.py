@@ -42,6 +42,8 @@ def test_bench_recovery_clean_vs_baseline(tmp_path: Path) -> None:
             str(out),
             "--json",
             str(tmp_path / "rows.json"),
+            "--kb",
+            str(tmp_path / "kb.sqlite"),
         ],
         timeout_s=240,
     )
@@ -54,3 +56,9 @@ def test_bench_recovery_clean_vs_baseline(tmp_path: Path) -> None:
     assert rows["baseline"]["training_goodput"] < rows["clean"]["training_goodput"]
     assert (out / "report.html").read_text().count("polyline") >= 2
     assert "clean" in res.output and "baseline" in res.output
+    # What it ran is in the knowledge base, searchable by its fault.
+    from unbroken.kb import KnowledgeBase
+
+    with KnowledgeBase(tmp_path / "kb.sqlite", create=False) as kb:
+        assert {r["name"] for r in kb.runs()} == {"clean", "baseline"}
+        assert [h.name for h in kb.search("sigkill")] == ["baseline"]

@@ -593,3 +593,15 @@ def test_the_launchers_phases_before_the_first_step_are_startup():
     assert r.badput_s["pg_init"] == approx(0.5)
     assert r.badput_s["other"] == approx(0.0)
     assert r.productive_s == approx(5.0)
+
+
+def test_alert_records_change_no_figure() -> None:
+    """A watcher's alert, even one written long after the job ended, is not part of the run."""
+    from unbroken.ledger.events import ALERT, WATCHER_RANK
+
+    base = [*steps(0, 4, 0.0), ev(JOB_END, 5.0, status="ok")]
+    late = ev(ALERT, 500.0, rank=WATCHER_RANK, name="fault_recovered", key="k")
+    early = ev(ALERT, -50.0, rank=WATCHER_RANK, name="fault_recovered", key="k2")
+    assert compute([*base, late, early]).to_dict() == compute(base).to_dict()
+    with pytest.raises(ValueError):
+        compute([late])

@@ -22,23 +22,36 @@ import pytest
 SRC = Path(__file__).resolve().parents[2] / "src"
 ROOT = "unbroken"
 
-_LIBRARY = ["errors", "env", "log", "ledger", "checkpoint", "faults", "restart", "launcher"]
+_LIBRARY = [
+    "errors",
+    "version",
+    "env",
+    "log",
+    "ledger",
+    "checkpoint",
+    "faults",
+    "restart",
+    "launcher",
+]
 
 # package (relative to unbroken; "unbroken" is the top-level module) -> what it may import
 RULES: dict[str, tuple[str, ...]] = {
-    "unbroken": ("errors", "env", "ledger", "checkpoint", "restart", "launcher.client"),
+    "unbroken": ("errors", "version", "env", "ledger", "checkpoint", "restart", "launcher.client"),
     "errors": (),
+    "version": (),
     "env": (),
     "log": (),
     "ledger": (),
     "checkpoint": ("errors", "log", "ledger"),
     "faults": ("errors", "env", "ledger", "checkpoint.layout"),
     "restart": ("errors", "env", "ledger"),
-    "launcher": ("errors", "env", "log", "ledger"),
+    "launcher": ("errors", "version", "env", "log", "ledger", "dashboard.metrics"),
     "launcher.client": ("env",),
     "workload": ("unbroken", "errors", "env", "log", "ledger", "checkpoint", "faults", "restart"),
-    "bench": ("unbroken", *_LIBRARY, "workload"),
-    "cli": ("unbroken", *_LIBRARY, "workload", "bench"),
+    "dashboard": ("version", "ledger", "kb"),
+    "kb": ("env", "ledger"),
+    "bench": ("unbroken", *_LIBRARY, "workload", "dashboard", "kb"),
+    "cli": ("unbroken", *_LIBRARY, "workload", "bench", "dashboard", "kb"),
 }
 
 # Whose docstring is not the place for the rule, and why.

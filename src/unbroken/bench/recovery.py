@@ -414,8 +414,30 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default="runs/bench-recovery", help="output directory")
     p.add_argument("--json", metavar="PATH", help="write the table as JSON")
     p.add_argument(
+        "--kb",
+        metavar="DB",
+        default=None,
+        help="knowledge base that ingests every run (default: $UNBROKEN_KB or runs/kb.sqlite)",
+    )
+    p.add_argument(
         "--html", metavar="PATH", help="write the HTML report (default: OUT/report.html)"
     )
+
+
+def _ingest(a: argparse.Namespace, results: list[ConfigResult]) -> None:
+    """Every configuration's run into the knowledge base (a failure is reported, not fatal)."""
+    from unbroken.kb import KnowledgeBase
+
+    try:
+        with KnowledgeBase(a.kb) as kb:
+            for r in results:
+                try:
+                    kb.ingest(Path(a.out) / r.config)
+                except (FileNotFoundError, ValueError) as e:
+                    logger.warning("knowledge base: %s not ingested: %s", r.config, e)
+            print(f"\nknowledge base: {len(results)} run(s) ingested into {kb.path}")
+    except (OSError, ValueError, RuntimeError) as e:
+        logger.warning("knowledge base: not updated: %s", e)
 
 
 def main(a: argparse.Namespace) -> int:
@@ -425,6 +447,7 @@ def main(a: argparse.Namespace) -> int:
     rows = [r.row() for r in results]
     if a.json:
         Path(a.json).write_text(json.dumps(rows, indent=2) + "\n")
+    _ingest(a, results)
     html_path = Path(a.html or Path(a.out) / "report.html")
     views = [r.view for r in results if r.view is not None]
     if views:

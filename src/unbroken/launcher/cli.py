@@ -6,8 +6,10 @@ torch run in parallel with the agent's own (the rendezvous needs torch.distribut
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
+import platform
 import signal
 import socket
 import sys
@@ -27,6 +29,7 @@ from unbroken.launcher.zygote import Zygote
 from unbroken.ledger import Ledger, process_start_time
 from unbroken.ledger import events as ev
 from unbroken.log import init_logging
+from unbroken.version import __version__
 
 logger = logging.getLogger("unbroken.launcher")
 
@@ -98,6 +101,23 @@ def run(spec: largs.JobSpec, cfg: largs.lconfig.LauncherConfig) -> int:
         cfg.run_dir or default_run_dir("none" if spec.standalone else spec.rdzv_id)
     ).resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
+    metrics = None
+    if cfg.metrics_port is not None:
+        from unbroken.dashboard.metrics import MetricsServer
+
+        try:
+            metrics = MetricsServer(run_dir, port=cfg.metrics_port)
+        except OSError as e:
+            print(f"unbroken-run: error: {e}", file=sys.stderr)
+            return errors.EXIT_USAGE
+    try:
+        return _run(spec, cfg, run_dir)
+    finally:
+        if metrics is not None:
+            metrics.close()
+
+
+def _run(spec: largs.JobSpec, cfg: largs.lconfig.LauncherConfig, run_dir: Path) -> int:
     run_id = job_run_id(spec, run_dir)
     error_path = cfg.error_path(run_dir)
     error_path.unlink(missing_ok=True)  # a previous run's
@@ -119,6 +139,12 @@ def run(spec: largs.JobSpec, cfg: largs.lconfig.LauncherConfig) -> int:
         host=socket.gethostname(),
         role="agent",
         nproc_per_node=spec.nproc_per_node,
+        nnodes=f"{spec.min_nodes}:{spec.max_nodes}",
+        max_restarts=spec.max_restarts,
+        entry=[spec.entry.target, *spec.entry.args],
+        config=dataclasses.asdict(cfg),
+        python=platform.python_version(),
+        version=__version__,
     )
     # The agent's own start-up (interpreter, imports, warm pool started), like a worker's.
     ledger.interval(ev.PHASE, begin=process_start_time(), name="import")

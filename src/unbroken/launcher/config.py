@@ -64,6 +64,8 @@ class LauncherConfig:
     """Seconds between SIGTERM and SIGKILL when stopping workers."""
     max_no_progress_restarts: int = 3
     """Give up after this many restarts in a row without a new step (0: never)."""
+    metrics_port: int | None = None
+    """Serve the run's Prometheus /metrics on this port, all interfaces (0: any free port)."""
 
     def __post_init__(self) -> None:
         for name in ("heartbeat_interval_s", "initial_timeout_s", "steady_timeout_s"):
@@ -90,6 +92,8 @@ class LauncherConfig:
                 f"max_no_progress_restarts must be >= 0 (0: off), got "
                 f"{self.max_no_progress_restarts}"
             )
+        if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
+            raise ValueError(f"metrics_port must be a TCP port 0-65535, got {self.metrics_port}")
         for mod in self.preload:
             if not _MODULE_NAME.match(mod):
                 raise ValueError(f"preload entry {mod!r} is not a module name like 'torch.nn'")
@@ -119,11 +123,13 @@ def field_docs() -> dict[str, str]:
 
 
 def kind_of(name: str) -> str:
-    """The value kind of a field: bool, int, float, path, modules."""
+    """The value kind of a field: bool, int, float, path, modules, port (an int or None)."""
     if name in ("run_dir", "error_file"):
         return "path"
     if name == "preload":
         return "modules"
+    if name == "metrics_port":
+        return "port"
     default = FIELDS[name].default
     if isinstance(default, bool):
         return "bool"
@@ -134,7 +140,7 @@ def coerce(name: str, value: Any, *, source: str) -> Any:
     """Convert a YAML or CLI value for field ``name``; ValueError names the source."""
     kind = kind_of(name)
     if value is None:
-        if kind == "path":
+        if kind in ("path", "port"):
             return None
         raise ValueError(f"{source}: {name} needs a value, got null")
     if kind == "path":
@@ -151,10 +157,10 @@ def coerce(name: str, value: Any, *, source: str) -> Any:
     if isinstance(value, bool):
         raise ValueError(f"{source}: {name} must be a number, got {value!r}")
     try:
-        return int(value) if kind == "int" else float(value)
+        return int(value) if kind in ("int", "port") else float(value)
     except (TypeError, ValueError):
         raise ValueError(
-            f"{source}: {name} must be a{'n int' if kind == 'int' else ' number'}, got {value!r}"
+            f"{source}: {name} must be a{' number' if kind == 'float' else 'n int'}, got {value!r}"
         ) from None
 
 

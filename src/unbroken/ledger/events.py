@@ -9,7 +9,8 @@ Interval convention: a record that carries ``dur_s`` describes the interval
 interval leaves no record of it; the report counts that time by what else covered it
 (detection, recovery) or as ``other``.
 
-Rank ``-1`` is a launcher agent (not a training process).
+Rank ``-1`` is a launcher agent (not a training process); rank ``-2`` a watcher (the dashboard),
+whose only records are ``alert``.
 """
 
 from __future__ import annotations
@@ -36,6 +37,9 @@ RESTART_END = "restart_end"  # data: layer
 WORKER_EXIT = "worker_exit"  # data: exit_code, signal
 ESCALATE = "escalate"  # data: reason
 JOB_END = "job_end"  # data: status ("ok" | "failed"), final_state_sha256
+# An alert raised by a watcher over the ledger (the dashboard); no goodput figure reads it.
+# data: name, severity ("info" | "warning" | "page"), key (dedup), summary, labels, value
+ALERT = "alert"
 
 KINDS = frozenset(
     {
@@ -55,6 +59,7 @@ KINDS = frozenset(
         WORKER_EXIT,
         ESCALATE,
         JOB_END,
+        ALERT,
     }
 )
 
@@ -65,6 +70,7 @@ PHASES = frozenset({"import", "rendezvous", "pg_init", "model_build", "data", "s
 LAYERS = ("inprocess", "launcher", "orchestrator")
 
 LAUNCHER_RANK = -1
+WATCHER_RANK = -2  # a process that only watches the ledger (the dashboard recording alerts)
 
 _COMMON = ("ts", "run", "rank", "attempt", "iteration", "kind")
 
@@ -126,6 +132,8 @@ class Event:
 
     @classmethod
     def from_dict(cls, obj: dict[str, Any]) -> Event:
+        if not isinstance(obj, dict):
+            raise ValueError(f"a ledger record is a JSON object, got {type(obj).__name__}")
         data = {k: v for k, v in obj.items() if k not in _COMMON}
         return cls(
             kind=str(obj["kind"]),

@@ -2,7 +2,9 @@
 
 Input is any sequence of ``Event`` from any number of processes, in any order; it is sorted by
 ``(ts, kind, rank, attempt, iteration)`` first. An interval record (one with ``dur_s``) covers
-``[ts - dur_s, ts]``; ``Event.begin`` is its start. Empty input raises ``ValueError``.
+``[ts - dur_s, ts]``; ``Event.begin`` is its start. ``alert`` records are dropped first: they
+describe the run, they are not part of it (a watcher may write one after the job ended). Empty
+input (after that) raises ``ValueError``.
 
 Time span
     ``t0`` = min over all events of ``begin``; ``t1`` = max ``ts``; ``wall_s = t1 - t0``.
@@ -108,6 +110,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from unbroken.ledger.events import (
+    ALERT,
     CKPT_COMMIT,
     CKPT_FAIL,
     CKPT_LOAD,
@@ -299,6 +302,7 @@ def _partition(
 
 def compute(events: Sequence[Event], *, reference_rank: int = 0) -> RunReport:
     """The goodput report of one run's events (any order); raises ValueError if empty."""
+    events = [e for e in events if e.kind != ALERT]
     if not events:
         raise ValueError(
             "cannot compute goodput from an empty event list; check that the run directory "

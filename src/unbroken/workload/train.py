@@ -21,6 +21,8 @@ import contextlib
 import json
 import logging
 import os
+import platform
+import socket
 import sys
 import time
 import traceback
@@ -384,6 +386,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         pid=os.getpid(),
         local_rank=env.local_rank,
         world_size=env.world_size,
+        host=socket.gethostname(),
+        args=vars(args),
+        python=platform.python_version(),
+        torch=torch.__version__,
     )
     ledger.interval(ev.PHASE, begin=started, name="import")
     ledger.mark()

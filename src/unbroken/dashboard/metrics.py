@@ -1,0 +1,274 @@
+"""``/metrics``: the runs' figures in the Prometheus exposition format, through prometheus_client.
+
+Every value comes from a ``RunWatch`` (its ``RunReport`` and snapshot), so it agrees with
+``unbroken report``. Naming follows Prometheus: base units (seconds, bytes), ``_total`` counters,
+ratios in 0-1, a ``run`` label on every series and no per-step labels.
+
+Counters stay monotonic: the exporter keeps each counter series' highest value and never exports
+less. The ledger can revise a figure downward: a record written when its interval ends
+re-assigns time already counted (a restarted worker's start-up phase over what was recovery
+time until then), and a rolled-back step's time moves from productive to re-executed. Such a
+counter holds until the run passes it again. So an exporter that watched a run may end slightly
+above the report's figure for such a category; a fresh exporter (a new process reading the
+ledger) exports exactly the report's figures. Since the launcher's exporter lives as long as the
+job, worker restarts never reset its counters.
+
+``unbroken-run --ft-metrics-port`` serves the same collector over its run directory
+(``MetricsServer``).
+"""
+
+from __future__ import annotations
+
+import logging
+import platform
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
+
+from unbroken.dashboard.runs import RunSet, RunWatch
+from unbroken.ledger import events as ev
+from unbroken.ledger.goodput import BADPUT_CATEGORIES
+
+logger = logging.getLogger(__name__)
+
+SECONDS_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+
+
+def _histogram(name: str, doc: str, rows: list[tuple[str, list[float]]]) -> HistogramMetricFamily:
+    h = HistogramMetricFamily(name, doc, labels=["run"])
+    for run, values in rows:
+        buckets = [(repr(le), float(sum(1 for v in values if v <= le))) for le in SECONDS_BUCKETS]
+        buckets.append(("+Inf", float(len(values))))
+        h.add_metric([run], buckets, sum_value=float(sum(values)))
+    return h
+
+
+class LedgerCollector:
+    """A prometheus_client collector over the runs that ``watches()`` returns."""
+
+    def __init__(self, watches: Callable[[], list[RunWatch]], *, version: str) -> None:
+        self.watches = watches
+        self.version = version
+        self._high: dict[tuple[str, tuple[str, ...]], float] = {}
+
+    def _counter(self, name: str, doc: str, labels: list[str]) -> CounterMetricFamily:
+        return CounterMetricFamily(name, doc, labels=["run", *labels])
+
+    def _add(self, family: CounterMetricFamily, labels: list[str], value: float) -> None:
+        """A counter sample, never below what this exporter exported before."""
+        key = (family.name, tuple(labels))
+        value = max(float(value), self._high.get(key, 0.0))
+        self._high[key] = value
+        family.add_metric(labels, value)
+
+    def describe(self) -> Iterable[Metric]:
+        return []  # families are known only after a ledger is read
+
+    def collect(self) -> Iterable[Metric]:
+        watches = [w for w in self.watches() if w.report is not None]
+        info = GaugeMetricFamily(
+            "unbroken_build_info", "unbroken's version", labels=["version", "python"]
+        )
+        info.add_metric([self.version, platform.python_version()], 1.0)
+        yield info
+        g = _Gauges()
+        wall = self._counter("unbroken_wall_seconds", "Wall time of the run so far", [])
+        productive = self._counter(
+            "unbroken_productive_seconds", "Time of steps that survived (productive)", []
+        )
+        badput = self._counter(
+            "unbroken_badput_seconds", "Wall time lost, by badput category", ["category"]
+        )
+        restarts = self._counter(
+            "unbroken_restarts", "Faults restarted by a recovery layer", ["layer", "cause"]
+        )
+        faults = self._counter("unbroken_faults", "Faults seen (injected or natural)", ["kind"])
+        lost = self._counter("unbroken_steps_lost", "Steps rolled back by faults", [])
+        skipped = self._counter("unbroken_checkpoint_saves_skipped", "Checkpoint saves skipped", [])
+        commits = self._counter("unbroken_checkpoint_commits", "Checkpoints committed", [])
+        launcher = self._counter(
+            "unbroken_launcher_restarts", "Launcher restart rounds (all nodes)", []
+        )
+        recovery: list[tuple[str, list[float]]] = []
+        detection: list[tuple[str, list[float]]] = []
+        blocking: list[tuple[str, list[float]]] = []
+        persist: list[tuple[str, list[float]]] = []
+        for w in watches:
+            rep, snap = w.report, w.snapshot
+            assert rep is not None
+            run = rep.run or w.name
+            self._add(wall, [run], rep.wall_s)
+            self._add(productive, [run], rep.productive_s)
+            for cat in BADPUT_CATEGORIES:
+                self._add(badput, [run, cat], rep.badput_s[cat])
+            by_layer: dict[tuple[str, str], int] = {}
+            by_kind: dict[str, int] = {}
+            for f in rep.faults:
+                by_kind[str(f.kind)] = by_kind.get(str(f.kind), 0) + 1
+                if f.disruptive and f.layer is not None:
+                    k = (f.layer, str(f.cause or f.kind))
+                    by_layer[k] = by_layer.get(k, 0) + 1
+            for (layer, cause), n in sorted(by_layer.items()):
+                self._add(restarts, [run, layer, cause], n)
+            for kind, n in sorted(by_kind.items()):
+                self._add(faults, [run, kind], n)
+            self._add(lost, [run], sum(f.steps_lost or 0 for f in rep.faults))
+            ck = snap.get("checkpoint", {})
+            self._add(skipped, [run], ck.get("skipped_total", 0))
+            self._add(commits, [run], len(w.index.get(ev.CKPT_COMMIT)))
+            rs = snap.get("restarts", {})
+            self._add(launcher, [run], rs.get("launcher_used", 0))
+            g.run(run, w, snap)
+            recovery.append((run, [f.recovery_s for f in rep.faults if f.recovery_s is not None]))
+            detection.append(
+                (run, [f.detection_s for f in rep.faults if f.detection_s is not None])
+            )
+            blocking.append((run, _durations(w, ev.CKPT_STAGE)))
+            persist.append((run, _durations(w, ev.CKPT_PERSIST)))
+        yield from (wall, productive, badput, restarts, faults, lost, skipped, commits, launcher)
+        yield _histogram(
+            "unbroken_recovery_seconds", "Fault to every rank training again", recovery
+        )
+        yield _histogram("unbroken_detection_seconds", "Fault to its detection", detection)
+        yield _histogram(
+            "unbroken_checkpoint_blocking_seconds",
+            "Time the trainer was blocked per save (reference rank)",
+            blocking,
+        )
+        yield _histogram(
+            "unbroken_checkpoint_persist_seconds",
+            "Background write time per save (reference rank)",
+            persist,
+        )
+        yield from g.families.values()
+
+
+def _durations(w: RunWatch, kind: str) -> list[float]:
+    return [float(e.dur_s) for e in w.index.get(kind) if e.rank == 0 and e.dur_s is not None]
+
+
+class _Gauges:
+    """The gauge families, filled run by run."""
+
+    SPECS: dict[str, tuple[str, list[str]]] = {
+        "unbroken_job_running": ("1 while the job runs (no job_end yet)", []),
+        "unbroken_steps_completed": ("Distinct steps with a surviving execution", []),
+        "unbroken_last_step": ("The reference rank's newest step", []),
+        "unbroken_steps_per_second": ("Step rate over the last 30 s of the ledger", []),
+        "unbroken_step_duration_seconds": ("Median duration of surviving steps", []),
+        "unbroken_goodput_ratio": ("Goodput so far (training, infrastructure)", ["kind"]),
+        "unbroken_availability_ratio": ("1 - fault-to-resume time / wall time", []),
+        "unbroken_checkpoint_efficiency_ratio": ("1 - blocking save time / loop time", []),
+        "unbroken_checkpoint_last_commit_timestamp_seconds": ("Newest commit, epoch s", []),
+        "unbroken_checkpoint_last_commit_step": ("Step of the newest commit", []),
+        "unbroken_checkpoint_steps_since_commit": ("Steps completed since it", []),
+        "unbroken_checkpoint_skipped_in_a_row": ("Saves skipped since the last commit", []),
+        "unbroken_checkpoint_in_flight": ("Saves staged, not yet committed", []),
+        "unbroken_checkpoint_staging_bytes": ("Size of the staging arena", []),
+        "unbroken_checkpoint_writer_rss_bytes": ("RSS of the checkpoint writer", []),
+        "unbroken_heartbeat_age_seconds": ("Seconds since the rank's last step", ["rank"]),
+        "unbroken_rank_step_duration_seconds": ("Median of the rank's last steps", ["rank"]),
+        "unbroken_rank_step_deviation_ratio": ("Rank step time / median over ranks - 1", ["rank"]),
+        "unbroken_restart_budget_used_ratio": ("Launcher restarts used / --max-restarts", []),
+        "unbroken_alerts": ("Alerts raised, by rule and severity", ["name", "severity"]),
+        "unbroken_ledger_torn_lines": ("Ledger files whose last line is cut", []),
+        "unbroken_ledger_bad_lines": ("Complete ledger lines that did not parse", []),
+    }
+
+    def __init__(self) -> None:
+        self.families = {
+            name: GaugeMetricFamily(name, doc, labels=["run", *labels])
+            for name, (doc, labels) in self.SPECS.items()
+        }
+
+    def set(self, name: str, labels: list[str], value: Any) -> None:
+        if value is not None:
+            self.families[name].add_metric(labels, float(value))
+
+    def run(self, run: str, w: RunWatch, snap: dict[str, Any]) -> None:
+        fig, ck = snap.get("figures", {}), snap.get("checkpoint", {})
+        s = self.set
+        s("unbroken_job_running", [run], snap.get("status") == "running")
+        s("unbroken_steps_completed", [run], fig.get("steps_completed"))
+        s("unbroken_last_step", [run], fig.get("last_step"))
+        s("unbroken_steps_per_second", [run], fig.get("step_rate"))
+        s("unbroken_step_duration_seconds", [run], fig.get("step_time_s_median"))
+        s("unbroken_goodput_ratio", [run, "training"], fig.get("training_goodput"))
+        s("unbroken_goodput_ratio", [run, "infrastructure"], fig.get("infra_goodput"))
+        s("unbroken_availability_ratio", [run], fig.get("availability"))
+        s("unbroken_checkpoint_efficiency_ratio", [run], fig.get("checkpoint_efficiency"))
+        s("unbroken_checkpoint_last_commit_timestamp_seconds", [run], ck.get("last_commit_ts"))
+        s("unbroken_checkpoint_last_commit_step", [run], ck.get("last_commit_step"))
+        s("unbroken_checkpoint_steps_since_commit", [run], ck.get("steps_since_commit"))
+        if ck.get("enabled"):
+            s("unbroken_checkpoint_skipped_in_a_row", [run], ck.get("skipped_in_a_row"))
+            s("unbroken_checkpoint_in_flight", [run], ck.get("in_flight"))
+        s("unbroken_checkpoint_staging_bytes", [run], ck.get("staging_bytes"))
+        s("unbroken_checkpoint_writer_rss_bytes", [run], ck.get("writer_rss_bytes"))
+        for r in snap.get("ranks", []):
+            rank = [run, str(r["rank"])]
+            s("unbroken_heartbeat_age_seconds", rank, r.get("heartbeat_age_s"))
+            s("unbroken_rank_step_duration_seconds", rank, r.get("step_time_s"))
+            s("unbroken_rank_step_deviation_ratio", rank, r.get("deviation"))
+        rs = snap.get("restarts", {})
+        if rs.get("launcher_budget"):
+            s(
+                "unbroken_restart_budget_used_ratio",
+                [run],
+                rs["launcher_used"] / rs["launcher_budget"],
+            )
+        counts: dict[tuple[str, str], int] = {}
+        for a in snap.get("alerts", []):
+            k = (a["name"], a["severity"])
+            counts[k] = counts.get(k, 0) + 1
+        for (name, sev), n in sorted(counts.items()):
+            s("unbroken_alerts", [run, name, sev], n)
+        led = snap.get("ledger", {})
+        s("unbroken_ledger_torn_lines", [run], led.get("torn_lines"))
+        s("unbroken_ledger_bad_lines", [run], led.get("bad_lines"))
+
+
+def registry_for(runs: RunSet, *, refresh: bool) -> CollectorRegistry:
+    """A registry with the ledger collector over ``runs``; ``refresh``: read the ledgers at
+    every scrape (when no background thread keeps them fresh)."""
+    from unbroken.version import __version__
+
+    def watches() -> list[RunWatch]:
+        if refresh:
+            runs.refresh()
+        return runs.all()
+
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(LedgerCollector(watches, version=__version__))  # type: ignore[arg-type]
+    return registry
+
+
+class MetricsServer:
+    """``/metrics`` of one run directory on a port of its own (the launcher's exporter)."""
+
+    def __init__(self, run_dir: Path, *, port: int, host: str = "0.0.0.0") -> None:
+        (run_dir / "events").mkdir(parents=True, exist_ok=True)  # one run, not a folder of runs
+        self.runs = RunSet(run_dir, record_alerts=False)
+        registry = registry_for(self.runs, refresh=True)
+        try:
+            self._httpd, self._thread = start_http_server(port, addr=host, registry=registry)
+        except OSError as e:
+            raise OSError(
+                f"cannot serve /metrics on {host}:{port}: {e.strerror or e}; pick another "
+                "--ft-metrics-port (0: any free port)"
+            ) from None
+        self.port = int(self._httpd.server_address[1])
+        logger.info("serving /metrics on http://%s:%d/metrics", host, self.port)
+
+    def close(self) -> None:
+        self._httpd.shutdown()
+        self._httpd.server_close()
+        self.runs.close()
