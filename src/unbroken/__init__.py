@@ -1,7 +1,11 @@
 """unbroken: keeps PyTorch distributed training productive through faults.
 
 The public API. Importing ``unbroken`` does not import torch: names that need it load on
-first use.
+first use. A training script wraps its loop in ``run`` (or ``main``, which also exits with the
+right code), calls ``ctx.step_done`` after each step and saves through a ``Checkpointer``; see
+``unbroken.job``. The exceptions it may see: ``Escalated`` (exit with its ``exit_code``, 75:
+the launcher takes over), ``RankExcluded`` (``exit_code`` 0: this rank left the job),
+``CheckpointError`` (restarted in-process like any error of ``fn``), all ``UnbrokenError``.
 """
 
 from __future__ import annotations
@@ -13,20 +17,24 @@ from unbroken.errors import UnbrokenError
 
 if TYPE_CHECKING:
     from unbroken.checkpoint import Checkpointer, CheckpointError, PerRank
+    from unbroken.job import main, run
     from unbroken.launcher.client import heartbeat
-    from unbroken.restart import RestartConfig, RestartContext, run
+    from unbroken.restart import Escalated, RankExcluded, RestartConfig, RestartContext
 
 __version__ = "0.1.0"
 
 __all__ = [
     "CheckpointError",
     "Checkpointer",
+    "Escalated",
     "PerRank",
+    "RankExcluded",
     "RestartConfig",
     "RestartContext",
     "UnbrokenError",
     "__version__",
     "heartbeat",
+    "main",
     "run",
 ]
 
@@ -34,9 +42,12 @@ _LAZY = {
     "Checkpointer": "unbroken.checkpoint",
     "CheckpointError": "unbroken.checkpoint",
     "PerRank": "unbroken.checkpoint",
+    "Escalated": "unbroken.restart",
+    "RankExcluded": "unbroken.restart",
     "RestartConfig": "unbroken.restart",
     "RestartContext": "unbroken.restart",
-    "run": "unbroken.restart",
+    "main": "unbroken.job",
+    "run": "unbroken.job",
     "heartbeat": "unbroken.launcher.client",
 }
 

@@ -31,6 +31,9 @@ OMP_NUM_THREADS = "OMP_NUM_THREADS"
 # ours
 UNBROKEN_RUN_DIR = "UNBROKEN_RUN_DIR"
 UNBROKEN_RUN_ID = "UNBROKEN_RUN_ID"
+UNBROKEN_FAULTS = "UNBROKEN_FAULTS"
+"""A fault plan (YAML) that ``unbroken.run`` fires from ``ctx.step_done``; set by the user (it
+passes through the launcher), for testing a script's recovery without changing it."""
 
 
 def _int(environ: Mapping[str, str], name: str, default: int) -> int:
@@ -71,6 +74,8 @@ class WorkerEnv:
     """Run directory handed down by ``unbroken-run``."""
     agent_pid: int | None = None
     """Pid of the ``unbroken-run`` agent that started this worker (None outside it)."""
+    fault_plan: Path | None = None
+    """The fault plan named by ``UNBROKEN_FAULTS``, if any."""
 
     def __post_init__(self) -> None:
         if self.world_size < 1:
@@ -105,6 +110,7 @@ class WorkerEnv:
             use_agent_store=e.get(USE_AGENT_STORE) == "True",
             run_dir=Path(run_dir) if run_dir else None,
             agent_pid=_int(e, UNBROKEN_AGENT_PID, 0) or None,
+            fault_plan=Path(e[UNBROKEN_FAULTS]) if e.get(UNBROKEN_FAULTS) else None,
         )
 
 

@@ -32,6 +32,7 @@ import os
 import queue
 import threading
 import time
+import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -49,6 +50,7 @@ from unbroken.checkpoint.resolve import ResolveCache, resolve_for_save
 from unbroken.checkpoint.restore import RestoreResult
 from unbroken.checkpoint.restore import restore as _restore
 from unbroken.ledger import events as ev
+from unbroken.ledger.active import current as active_ledger
 
 logger = logging.getLogger(__name__)
 
@@ -97,6 +99,15 @@ def _world() -> tuple[int, int]:
     return 0, 1
 
 
+_created: weakref.WeakSet[Checkpointer] = weakref.WeakSet()
+
+
+def open_checkpointers() -> list[Checkpointer]:
+    """This process's Checkpointers not yet closed or aborted (``unbroken.run`` aborts those a
+    failed iteration left open, and reports their newest commit in the launcher heartbeat)."""
+    return [c for c in _created if not c._closed]
+
+
 def _memory() -> dict[str, int]:
     """RSS of this process, and the part of it that is shared memory (the arena)."""
     out = {"rss_bytes": 0, "rss_shmem_bytes": 0}
@@ -117,8 +128,8 @@ class Checkpointer:
 
     ``fields`` override ``config`` (CheckpointConfig): ``every_steps``, ``keep``, ``mode``,
     ``on_busy``, ``overlap``, ``persist_timeout_s``, ... Rank and world size come from the
-    default process group when one is initialized. Use as a context manager or call
-    ``close()``.
+    default process group when one is initialized. Records go to ``ledger``, by default the
+    active one (``unbroken.run``'s). Use as a context manager or call ``close()``.
     """
 
     def __init__(
@@ -133,7 +144,7 @@ class Checkpointer:
         self.root = Path(directory).resolve()
         self.root.mkdir(parents=True, exist_ok=True)
         self.rank, self.world_size = _world()
-        self._ledger = ledger
+        self._ledger = ledger if ledger is not None else active_ledger()
         self._cond = threading.Condition()
         self._writer: WriterClient | None = None
         self._arena = Arena()
@@ -162,6 +173,7 @@ class Checkpointer:
             self._arena = self._adopted.arena
         if self.config.eager_writer:
             self._start_writer()
+        _created.add(self)
 
     # --- public API --------------------------------------------------------------------------
     def maybe_save(self, step: int, state: Mapping[str, Any]) -> bool:
@@ -310,13 +322,15 @@ class Checkpointer:
     def restore(self, state: Mapping[str, Any]) -> int | None:
         """Load the newest committed checkpoint that passes its checks into ``state``;
         returns its step, or None when there is none. Collective with a process group: call
-        it on every rank, at start (it also clears the leftovers of interrupted saves)."""
+        it on every rank, at start (it also clears the leftovers of interrupted saves). The
+        ledger's next step interval starts when it returns."""
         if self._closed:
             raise CheckpointError("restore() on a closed Checkpointer")
         t0 = time.time()
         step, held = self._restore_from_memory(state)
         if step is not None:
             self._interval(ev.CKPT_LOAD, begin=t0, step=step, tier="memory", path=None)
+            self._mark_steps()
             self._last_step = step
             return step
         result: RestoreResult = _restore(
@@ -334,8 +348,15 @@ class Checkpointer:
             skipped=result.skipped,
             memory=held,
         )
+        self._mark_steps()
         self._last_step = result.step
         return result.step
+
+    def resume(self, state: Mapping[str, Any]) -> int:
+        """``restore(state)``, then the step to continue from: 0 when there was no checkpoint,
+        else the restored step + 1 (``for step in range(ckpt.resume(state), steps)``)."""
+        step = self.restore(state)
+        return 0 if step is None else step + 1
 
     def _restore_from_memory(self, state: Mapping[str, Any]) -> tuple[int | None, list[Any]]:
         """The memory tier (see ``memory``): the step restored, or None (then: disk), and the
@@ -671,3 +692,8 @@ class Checkpointer:
     def _interval(self, kind: str, *, begin: float, end: float | None = None, **data: Any) -> None:
         if self._ledger is not None:
             self._ledger.interval(kind, begin=begin, end=end, **data)
+
+    def _mark_steps(self) -> None:
+        """A restore is no part of a step: the ledger's next step interval starts after it."""
+        if self._ledger is not None:
+            self._ledger.mark()
