@@ -65,5 +65,5 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
-    # Once the model is gone: a DDP model that outlives the group can deadlock freeing it.
+    # After main() freed the model: a DDP model freed after its group can deadlock (torch#56297).
     dist.destroy_process_group()
