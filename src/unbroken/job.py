@@ -160,6 +160,11 @@ def _injector(env: WorkerEnv, ledger: Ledger | None) -> FaultInjector | None:
             f"UNBROKEN_FAULTS={env.fault_plan} needs a run directory to record which faults "
             "fired; run the script under unbroken-run (or torchrun --standalone)"
         )
+    if not env.fault_plan.is_file():
+        raise ValueError(
+            f"UNBROKEN_FAULTS={env.fault_plan}: no such file; name a fault plan (YAML), "
+            f"absolute or relative to the working directory {Path.cwd()}"
+        )
     plan = load_plan(env.fault_plan, world_size=env.world_size)
     plan.check_world(env.world_size)
     return FaultInjector(

@@ -4,6 +4,7 @@ exit codes (real Checkpointers with their writer processes; ``main`` in a real p
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import socket
@@ -168,3 +169,18 @@ def test_main_exits_with_the_launchers_code(tmp_path: Path, fail: bool) -> None:
         assert "Escalated" in out.stderr and "exit code 75" in out.stderr
     else:
         assert ev.JOB_END in kinds
+
+
+def test_a_bad_unbroken_faults_plan_is_a_clear_error(tmp_path: Path) -> None:
+    missing = WorkerEnv.from_environ({"UNBROKEN_FAULTS": str(tmp_path / "nope.yaml")})
+    with pytest.raises(ValueError, match="UNBROKEN_FAULTS=.*nope.yaml: no such file"):
+        job._injector(dataclasses.replace(missing, run_dir=tmp_path), None)
+    with pytest.raises(ValueError, match="needs a run directory"):
+        job._injector(missing, None)
+    plan = tmp_path / "plan.yaml"
+    plan.write_text("faults:\n  - {step: 3, rank: 1, kind: exception}\n")
+    env = WorkerEnv.from_environ(
+        {"UNBROKEN_FAULTS": str(plan), "UNBROKEN_RUN_DIR": str(tmp_path), "WORLD_SIZE": "2"}
+    )
+    injector = job._injector(env, None)
+    assert injector is not None and [f.kind for f in injector.plan.faults] == ["exception"]
