@@ -33,8 +33,8 @@ demo: $(STAMP)
 	@bash scripts/demo.sh
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check src tests
-	$(VENV)/bin/ruff format --check src tests
+	$(VENV)/bin/ruff check src tests examples
+	$(VENV)/bin/ruff format --check src tests examples
 	$(VENV)/bin/mypy
 
 bench: $(STAMP)

@@ -1,9 +1,14 @@
 """unbroken: keeps PyTorch distributed training productive through faults.
 
 The public API. Importing ``unbroken`` does not import torch: names that need it load on
-first use. Each name is re-exported from the package that owns it. Imports of ours:
-``unbroken.errors``, ``unbroken.version``, ``unbroken.env``, ``unbroken.ledger``, ``unbroken.checkpoint``,
-``unbroken.restart``, ``unbroken.launcher.client``.
+first use. A training script wraps its loop in ``run`` (or ``main``, which also exits with the
+right code), calls ``ctx.step_done`` after each step and saves through a ``Checkpointer``; see
+``unbroken.job``. The exceptions it may see: ``Escalated`` (exit with its ``exit_code``, 75:
+the launcher takes over), ``RankExcluded`` (``exit_code`` 0: this rank left the job),
+``CheckpointError`` (restarted in-process like any error of ``fn``), all ``UnbrokenError``.
+
+Imports of ours: ``unbroken.errors``, ``unbroken.version``, ``unbroken.env``, ``unbroken.ledger``,
+``unbroken.checkpoint``, ``unbroken.restart``, ``unbroken.launcher.client``, ``unbroken.job``.
 """
 
 from __future__ import annotations
@@ -16,19 +21,23 @@ from unbroken.version import __version__
 
 if TYPE_CHECKING:
     from unbroken.checkpoint import Checkpointer, CheckpointError, PerRank
+    from unbroken.job import main, run
     from unbroken.launcher.client import heartbeat
-    from unbroken.restart import RestartConfig, RestartContext, run
+    from unbroken.restart import Escalated, RankExcluded, RestartConfig, RestartContext
 
 
 __all__ = [
     "CheckpointError",
     "Checkpointer",
+    "Escalated",
     "PerRank",
+    "RankExcluded",
     "RestartConfig",
     "RestartContext",
     "UnbrokenError",
     "__version__",
     "heartbeat",
+    "main",
     "run",
 ]
 
@@ -36,9 +45,12 @@ _LAZY = {
     "Checkpointer": "unbroken.checkpoint",
     "CheckpointError": "unbroken.checkpoint",
     "PerRank": "unbroken.checkpoint",
+    "Escalated": "unbroken.restart",
+    "RankExcluded": "unbroken.restart",
     "RestartConfig": "unbroken.restart",
     "RestartContext": "unbroken.restart",
-    "run": "unbroken.restart",
+    "main": "unbroken.job",
+    "run": "unbroken.job",
     "heartbeat": "unbroken.launcher.client",
 }
 

@@ -118,6 +118,7 @@ BENCHES: dict[str, tuple[str, str]] = {
     "checkpoint": ("checkpoint", "checkpoint stall and efficiency: none, DCP sync/async, ours"),
     "restart": ("restart", "launcher restart: SIGKILL/SIGSTOP -> training again, vs torchrun"),
     "dashboard": ("dashboard", "what watching a job costs: refresh on a long run, step time"),
+    "inprocess": ("inprocess", "in-process restart: exception, stuck collective, Python hang"),
 }
 
 

@@ -33,6 +33,9 @@ OMP_NUM_THREADS = "OMP_NUM_THREADS"
 # ours
 UNBROKEN_RUN_DIR = "UNBROKEN_RUN_DIR"
 UNBROKEN_RUN_ID = "UNBROKEN_RUN_ID"
+UNBROKEN_FAULTS = "UNBROKEN_FAULTS"
+"""A fault plan (YAML) that ``unbroken.run`` fires from ``ctx.step_done``; set by the user (it
+passes through the launcher), for testing a script's recovery without changing it."""
 
 
 def _int(environ: Mapping[str, str], name: str, default: int) -> int:
@@ -75,6 +78,8 @@ class WorkerEnv:
     """Pid of the ``unbroken-run`` agent that started this worker (None outside it)."""
     store_addr: str | None = None
     """``host:port`` of the job-long coordination store ``unbroken-run`` hosts (None outside)."""
+    fault_plan: Path | None = None
+    """The fault plan named by ``UNBROKEN_FAULTS``, if any."""
 
     def __post_init__(self) -> None:
         if self.world_size < 1:
@@ -110,6 +115,7 @@ class WorkerEnv:
             run_dir=Path(run_dir) if run_dir else None,
             agent_pid=_int(e, UNBROKEN_AGENT_PID, 0) or None,
             store_addr=e.get(UNBROKEN_STORE_ADDR) or None,
+            fault_plan=Path(e[UNBROKEN_FAULTS]) if e.get(UNBROKEN_FAULTS) else None,
         )
 
 

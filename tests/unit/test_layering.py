@@ -36,7 +36,17 @@ _LIBRARY = [
 
 # package (relative to unbroken; "unbroken" is the top-level module) -> what it may import
 RULES: dict[str, tuple[str, ...]] = {
-    "unbroken": ("errors", "version", "env", "ledger", "checkpoint", "restart", "launcher.client"),
+    "unbroken": (
+        "errors",
+        "version",
+        "env",
+        "ledger",
+        "checkpoint",
+        "restart",
+        "launcher.client",
+        "job",
+    ),
+    "job": ("errors", "env", "log", "ledger", "checkpoint", "faults", "restart", "launcher.client"),
     "errors": (),
     "version": (),
     "env": (),

@@ -33,6 +33,7 @@ import dataclasses
 import logging
 import os
 import time
+import weakref
 from collections.abc import Mapping
 from pathlib import Path
 from types import TracebackType
@@ -50,10 +51,20 @@ from unbroken.checkpoint.restore import restore as _restore
 from unbroken.checkpoint.staging import Pairs, Staging
 from unbroken.ledger import NULL, Recorder
 from unbroken.ledger import events as ev
+from unbroken.ledger.active import current as active_ledger
 
 __all__ = ["CheckpointStats", "Checkpointer"]
 
 logger = logging.getLogger(__name__)
+
+
+_created: weakref.WeakSet[Checkpointer] = weakref.WeakSet()
+
+
+def open_checkpointers() -> list[Checkpointer]:
+    """This process's Checkpointers not yet closed or aborted (``unbroken.run`` aborts those a
+    failed iteration left open, and reports their newest commit in the launcher heartbeat)."""
+    return [c for c in _created if not c._closed]
 
 
 def _world() -> tuple[int, int]:
@@ -83,7 +94,7 @@ class Checkpointer:
     ``fields`` override ``config`` (CheckpointConfig): ``every_steps``, ``keep``, ``mode``,
     ``on_busy``, ``overlap``, ``persist_timeout_s``, ... Rank and world size come from the
     default process group when one is initialized. ``ledger`` records every save and load
-    (None: nothing is recorded); ``hooks`` go to the writer process (fault injection and
+    (None: the active ledger of ``unbroken.run``, else nothing); ``hooks`` go to the writer process (fault injection and
     tests, see ``unbroken.checkpoint.hooks``; None: none). Use as a context manager or call
     ``close()``.
     """
@@ -101,7 +112,8 @@ class Checkpointer:
         self.root = Path(directory).resolve()
         self.root.mkdir(parents=True, exist_ok=True)
         self.rank, self.world_size = _world()
-        self._ledger: Recorder = NULL if ledger is None else ledger
+        active = active_ledger() if ledger is None else ledger
+        self._ledger: Recorder = NULL if active is None else active
         self._hooks = hooks
         self._stats = CheckpointStats()
         self._inflight = Inflight(
@@ -121,6 +133,7 @@ class Checkpointer:
         self._staging = Staging(rank=self.rank, arena=adopted_arena)
         if self.config.eager_writer:
             self._inflight.start_writer(self._hooks)
+        _created.add(self)
 
     # --- public API --------------------------------------------------------------------------
     def maybe_save(self, step: int, state: Mapping[str, Any]) -> bool:
@@ -264,13 +277,15 @@ class Checkpointer:
     def restore(self, state: Mapping[str, Any]) -> int | None:
         """Load the newest committed checkpoint that passes its checks into ``state``;
         returns its step, or None when there is none. Collective with a process group: call
-        it on every rank, at start (it also clears the leftovers of interrupted saves)."""
+        it on every rank, at start (it also clears the leftovers of interrupted saves). The
+        ledger's next step interval starts when it returns (a restore is no part of a step)."""
         if self._closed:
             raise CheckpointError("restore() on a closed Checkpointer")
         t0 = time.time()
         step, held = self._restore_from_memory(state)
         if step is not None:
             self._ledger.interval(ev.CKPT_LOAD, begin=t0, step=step, tier="memory", path=None)
+            self._ledger.mark()
             self._last_step = step
             return step
         result: RestoreResult = _restore(
@@ -290,8 +305,15 @@ class Checkpointer:
             skipped=result.skipped,
             memory=held,
         )
+        self._ledger.mark()
         self._last_step = result.step
         return result.step
+
+    def resume(self, state: Mapping[str, Any]) -> int:
+        """``restore(state)``, then the step to continue from: 0 when there was no checkpoint,
+        else the restored step + 1 (``for step in range(ckpt.resume(state), steps)``)."""
+        step = self.restore(state)
+        return 0 if step is None else step + 1
 
     def _restore_from_memory(self, state: Mapping[str, Any]) -> tuple[int | None, list[Any]]:
         """The memory tier (see ``memory``): the step restored, or None (then: disk), and the

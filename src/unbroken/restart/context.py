@@ -17,6 +17,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 StepHook = Callable[[int], None]
+ExitHook = Callable[[BaseException | None], None]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -69,6 +70,7 @@ class RestartContext:
         self._ledger = ledger
         self._monitor = monitor
         self._hooks: list[StepHook] = []
+        self._exit_hooks: list[ExitHook] = []
         self.first_step: int | None = None
         """The first step completed in this iteration (its restore point), or None."""
         self.last_step: int | None = None
@@ -128,6 +130,21 @@ class RestartContext:
     def add_step_hook(self, hook: StepHook) -> None:
         """Call ``hook(step)`` at the end of every ``step_done`` of this iteration."""
         self._hooks.append(hook)
+
+    def add_exit_hook(self, hook: ExitHook) -> None:
+        """Call ``hook(error)`` once ``fn`` has ended in this iteration, with what it raised
+        (None when it returned), before the next iteration starts. Hooks run outside ``fn``,
+        where no restart interrupt reaches them (e.g. to abort what a failed ``fn`` left
+        open); an exception from one is logged and ignored."""
+        self._exit_hooks.append(hook)
+
+    def _exited(self, error: BaseException | None) -> None:
+        """``run`` calls this once ``fn`` has ended: runs the exit hooks in registration order."""
+        for hook in self._exit_hooks:
+            try:
+                hook(error)
+            except Exception:
+                logger.exception("exit hook %r failed", hook)
 
     @contextmanager
     def no_hang_protection(self) -> Iterator[None]:

@@ -284,6 +284,7 @@ class _Runner:
         interrupts_before = self.interrupter.delivered
         outcome = self.interrupter.invoke(self.fn, ctx)
         detection, seq = self.monitor.fn_exited(outcome.error)
+        ctx._exited(outcome.error)
         fatal = isinstance(outcome.error, (KeyboardInterrupt, SystemExit))
         if detection is None:
             record = assign.ExitRecord(
