@@ -1,4 +1,4 @@
-"""The ``unbroken`` umbrella CLI: reports, fault plans, benchmarks."""
+"""The ``unbroken`` umbrella CLI: reports, fault plans, benchmarks, Kubernetes manifests."""
 
 from __future__ import annotations
 
@@ -111,6 +111,12 @@ def build_parser() -> argparse.ArgumentParser:
     fs.add_argument("plan", help="a fault plan (YAML)")
     fs.add_argument("--world-size", type=int, default=None, help="check ranks against a world")
     fs.set_defaults(func=_cmd_faults_show)
+
+    k = sub.add_parser("k8s", help="Kubernetes: render and validate manifests, the store pod")
+    from unbroken.k8s import cli as k8s_cli
+
+    k8s_cli.add_arguments(k)
+    k.set_defaults(func=k8s_cli.main)
 
     b = sub.add_parser("bench", help="benchmarks")
     bsub = b.add_subparsers(dest="bench", required=True)

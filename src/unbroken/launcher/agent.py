@@ -35,14 +35,12 @@ from unbroken.launcher.config import LauncherConfig
 from unbroken.launcher.errors import Failure
 from unbroken.launcher.machine import Machine, State, StopReason, Tick
 from unbroken.launcher.monitor import HeartbeatTracker
-from unbroken.launcher.rendezvous import RoundInfo
+from unbroken.launcher.rendezvous import JobOver, RoundInfo
 from unbroken.launcher.signals import AgentSignal
 from unbroken.launcher.workers import Events, WorkerExit
 from unbroken.ledger import events as ev
 
 logger = logging.getLogger(__name__)
-
-MEMBERSHIP_CHECK_S = 1.0
 
 
 class RendezvousPort(Protocol):
@@ -178,6 +176,10 @@ class Agent:
             self.machine.failures.append(self._signal_failure(e.signum))
             self.machine.interrupt(e.signum)
             return
+        except JobOver as e:
+            logger.info("%s; this node was not needed (a spare): exiting", e)
+            self.machine.job_over()
+            return
         except Exception as e:
             logger.error("rendezvous failed: %s: %s", type(e).__name__, e)
             self.machine.rendezvous_failed(self._agent_failure("rendezvous", "rendezvous", e))
@@ -237,10 +239,11 @@ class Agent:
         self.machine.started()
 
     def _membership(self, now: float) -> tuple[int, list[str]]:
-        """(nodes waiting to join, nodes of this round that died), at most once a second."""
+        """(nodes waiting to join, nodes of this round that died), at most every
+        ``membership_check_s``."""
         if self.spec.max_nodes <= 1 or now < self._next_membership:
             return 0, []
-        self._next_membership = now + MEMBERSHIP_CHECK_S
+        self._next_membership = now + self.cfg.membership_check_s
         return self.rdzv.membership()
 
     def _watch(self) -> None:

@@ -126,7 +126,12 @@ def run(spec: largs.JobSpec, cfg: largs.lconfig.LauncherConfig) -> int:
         from unbroken.launcher.rendezvous import C10dRendezvous
 
         try:
-            rdzv = C10dRendezvous(spec, node_addr=node_addr(spec), timeout_s=cfg.rdzv_timeout_s)
+            rdzv = C10dRendezvous(
+                spec,
+                node_addr=node_addr(spec),
+                timeout_s=cfg.rdzv_timeout_s,
+                poll_s=cfg.rdzv_poll_s,
+            )
         except errors.LauncherError as e:
             return _rendezvous_failed(ledger, error_path, run_id, e)
         state_file = run_dir / "launcher" / STATE_FILE

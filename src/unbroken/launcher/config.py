@@ -64,6 +64,12 @@ class LauncherConfig:
     """Seconds between SIGTERM and SIGKILL when stopping workers."""
     max_no_progress_restarts: int = 3
     """Give up after this many restarts in a row without a new step (0: never)."""
+    rdzv_poll_s: float = 1.0
+    """Seconds between two looks at the rendezvous state while nodes gather (torch polls 1 s)."""
+    membership_check_s: float = 1.0
+    """Seconds between two checks, while training, for a lost node or a node waiting to join."""
+    metrics_port: int = 0
+    """Port of this agent's Prometheus /metrics endpoint (0: none)."""
 
     def __post_init__(self) -> None:
         for name in ("heartbeat_interval_s", "initial_timeout_s", "steady_timeout_s"):
@@ -90,6 +96,11 @@ class LauncherConfig:
                 f"max_no_progress_restarts must be >= 0 (0: off), got "
                 f"{self.max_no_progress_restarts}"
             )
+        for name in ("rdzv_poll_s", "membership_check_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if not 0 <= self.metrics_port <= 65535:
+            raise ValueError(f"metrics_port must be a port (0: none), got {self.metrics_port}")
         for mod in self.preload:
             if not _MODULE_NAME.match(mod):
                 raise ValueError(f"preload entry {mod!r} is not a module name like 'torch.nn'")
