@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import signal
+import socket
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -196,6 +197,8 @@ class Agent:
             group_rank=info.group_rank,
             group_world_size=info.group_world_size,
             world_size=info.world_size,
+            master_addr=info.master_addr,  # the round's worker store, on group rank 0's node
+            host=socket.gethostname(),
         )
         logger.info(
             "round %d: node %d of %d, ranks %d-%d of %d",

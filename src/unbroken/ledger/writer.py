@@ -1,8 +1,8 @@
 """The per-process append-only ledger writer.
 
 ``emit`` puts a record on a queue and returns (a few microseconds); a background thread writes
-queued records to ``<run_dir>/events/<host>-p<pid>.jsonl`` with one ``os.write`` per batch on an
-``O_APPEND`` descriptor, so a written record is in the kernel's page cache at once.
+queued records to ``<run_dir>/events/<host>-p<pid>-<token>.jsonl`` with one ``os.write`` per
+batch on an ``O_APPEND`` descriptor, so a written record is in the kernel's page cache at once.
 
 What can be lost:
 - SIGKILL of the process: only records still in the queue, i.e. emitted in the last few
@@ -82,7 +82,10 @@ class Ledger:
         self._fsync_interval_s = fsync_interval_s
         events_dir = Path(run_dir) / "events"
         events_dir.mkdir(parents=True, exist_ok=True)
-        self.path = events_dir / f"{socket.gethostname()}-p{os.getpid()}.jsonl"
+        # The token keeps two incarnations apart that share host name and pid: a replacement
+        # pod (same hostname, pid 1 again) writing to the same shared volume.
+        name = f"{socket.gethostname()}-p{os.getpid()}-{os.urandom(3).hex()}.jsonl"
+        self.path = events_dir / name
         self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._enqueued = 0
