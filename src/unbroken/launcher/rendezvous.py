@@ -23,7 +23,9 @@ are accepted here, torch's own parser takes whole seconds only), and torch looks
 state once a second while nodes gather; ``poll_s`` (``--ft-rdzv-poll-s``) shortens that look.
 
 A node that never took part in a round and finds the rendezvous closed (a hot spare, a late
-replacement: the job finished without it) gets ``JobOver``, not an error.
+replacement: the job finished without it) gets ``JobOver``, not an error. Each agent names
+itself with a random incarnation id (torch's default, a per-process counter, would make a
+replacement pod, with its predecessor's hostname and pid, pass for the dead node).
 """
 
 from __future__ import annotations
@@ -123,7 +125,10 @@ class C10dRendezvous:
         from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import create_backend
         from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
             DynamicRendezvousHandler,
+            RendezvousSettings,
             RendezvousTimeout,
+            _BackendRendezvousStateHolder,
+            _NodeDesc,
         )
 
         self._dist = dist
@@ -146,21 +151,25 @@ class C10dRendezvous:
             local_addr=node_addr,
             **conf,
         )
+        # torch names a node (address, pid, a per-process counter): a replacement pod has the
+        # same hostname and, in a container, the same pid as the node it replaces, and would
+        # be taken for it. A random incarnation id instead of the counter keeps them apart.
+        node = _NodeDesc(node_addr, os.getpid(), int.from_bytes(os.urandom(4), "big") >> 1)
+        settings = RendezvousSettings(
+            spec.rdzv_id,
+            spec.min_nodes,
+            spec.max_nodes,
+            RendezvousTimeout(
+                *(None if v is None else timedelta(seconds=v) for v in timeouts.values())
+            ),
+            keep_alive_interval=timedelta(seconds=keep_alive_s),
+            keep_alive_max_attempt=attempts,
+        )
         try:
             backend, store = create_backend(params)
-            self.handler = DynamicRendezvousHandler.from_backend(
-                spec.rdzv_id,
-                store,
-                backend,
-                spec.min_nodes,
-                spec.max_nodes,
-                node_addr,
-                RendezvousTimeout(
-                    *(None if v is None else timedelta(seconds=v) for v in timeouts.values())
-                ),
-                keep_alive_interval=keep_alive_s,  # type: ignore[arg-type]  # a float works
-                keep_alive_max_attempt=attempts,
-            )
+            # The shared state is cached for a second between two reads; look as often as polled.
+            holder = _BackendRendezvousStateHolder(backend, settings, cache_duration=poll_s)  # type: ignore[arg-type]
+            self.handler = DynamicRendezvousHandler(node, settings, backend.name, store, holder)
         except Exception as e:
             raise LauncherError(
                 f"cannot reach the c10d rendezvous at {spec.rdzv_endpoint}: {e}; check "
@@ -168,10 +177,6 @@ class C10dRendezvous:
             ) from e
         if poll_s != 1.0:
             _fast_polls(poll_s)
-            # The state is also cached for a second between two reads; look as often as polled.
-            holder = getattr(self.handler, "_state_holder", None)
-            if holder is not None and hasattr(holder, "_cache_duration"):
-                holder._cache_duration = poll_s
         self.job_store: Any = store  # a TCPStore (mypy sees the Store base)
         host, _ = _split(spec.rdzv_endpoint)
         self.store_addr = f"{host}:{getattr(store, 'port', 0)}"

@@ -361,7 +361,9 @@ class Cluster:
     def _names(self) -> dict[str, str]:
         """DNS name -> address, as the cluster DNS answers now."""
         out: dict[str, str] = {}
-        live = [p for p in self.pods if p.running and p.ip]
+        # A pod has its record from the moment it has an address (publishNotReadyAddresses)
+        # until it ends.
+        live = [p for p in self.pods if p.net is not None and p.exit_code is None]
         for pod in live:
             svc = self.services.get(pod.subdomain or "")
             if svc is not None and svc.headless and _selects(svc.selector, pod.labels):
