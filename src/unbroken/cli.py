@@ -82,6 +82,7 @@ BENCHES: dict[str, tuple[str, str]] = {
     "recovery": ("recovery", "the published recovery comparison, every layer side by side"),
     "checkpoint": ("checkpoint", "checkpoint stall and efficiency: none, DCP sync/async, ours"),
     "restart": ("restart", "launcher restart: SIGKILL/SIGSTOP -> training again, vs torchrun"),
+    "k8s": ("k8s", "node loss on the emulated Kubernetes cluster: hot spare, replacement, alone"),
 }
 
 

@@ -255,3 +255,48 @@ def test_pods_have_their_own_hostname_and_find_each_other_by_name_after_a_replac
     assert (out / "ft-1.name").read_text().split()[0] == "ft-1"
     ips = [h["ip"] for h in _events(cluster, "pod_started") if h["hostname"] == "ft-1"]
     assert ips[0] == old and ips[1] != old and ips[1].startswith("10.210.")
+
+
+SERVE = "import socket,sys; s=socket.socket(); s.bind(('0.0.0.0', int(sys.argv[1].split('=')[1]))); s.listen(); c, _ = s.accept(); c.sendall(b'hi'); c.close()"
+DIAL = (
+    "import socket,sys,time\n"
+    "host, port = sys.argv[1].rsplit(':', 1)\n"
+    "for _ in range(200):\n"
+    "    try: c = socket.create_connection((host, int(port)), timeout=1); break\n"
+    "    except OSError: time.sleep(0.05)\n"
+    "print(sys.argv[1], c.recv(2).decode())\n"
+)
+
+
+def test_loopback_mode_writes_addresses_and_free_ports_where_names_and_ports_are(
+    tmp_path: Path,
+) -> None:
+    """Without namespaces, a pod reaches another by the name in its arguments: the emulation
+    writes the peer's loopback address and a free host port for the declared container port."""
+    import sys
+
+    job = _job("exit 0")
+    job["spec"]["template"]["spec"]["containers"] = [
+        {
+            "name": "main",
+            "command": [
+                "sh",
+                "-c",
+                f'[ "$JOB_COMPLETION_INDEX" = 0 ] && exec {sys.executable} -c "$0" "$2"; '
+                f'exec {sys.executable} -c "$1" "$3"',
+                SERVE,
+                DIAL,
+                "--port=29500",
+                "ft-0.ft:29500",
+            ],
+            "ports": [{"containerPort": 29500}],
+        }
+    ]
+    c = _run(tmp_path, [HEADLESS, job])
+    assert c.status() == "Complete"
+    [dialer] = [p for p in c.pods if p.index == 1]
+    assert dialer.log is not None
+    target, answer = dialer.log.read_text().split()
+    host, port = target.rsplit(":", 1)
+    assert answer == "hi" and host == next(p.ip for p in c.pods if p.index == 0)
+    assert host.startswith("127.210.") and int(port) != 29500

@@ -289,16 +289,45 @@ def run_node_loss(run: NodeLoss, workdir: Path) -> NodeLossResult:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=CONFIGS)
-    p.add_argument("--nodes", type=int, default=3)
+    p.add_argument(
+        "--configs",
+        nargs="+",
+        default=list(CONFIGS),
+        choices=CONFIGS,
+        help="configurations to run (clean always runs first)",
+    )
+    p.add_argument("--nodes", type=int, default=3, help="nodes the job trains on")
     p.add_argument("--nproc", type=int, default=2, help="ranks per node")
-    p.add_argument("--steps", type=int, default=40)
-    p.add_argument("--at-step", type=int, default=15, help="lose the node after this step")
-    p.add_argument("--lose", default="group-rank:0", help="index:N or group-rank:N")
-    p.add_argument("--pod-restart-s", type=float, default=5.0, help="pod (re)creation delay")
-    p.add_argument("--keep-alive-s", type=float, default=0.25)
-    p.add_argument("--keep-alive-attempts", type=int, default=4)
-    p.add_argument("--mode", choices=["auto", "netns", "loopback"], default="auto")
+    p.add_argument("--steps", type=int, default=40, help="training steps (tiny model)")
+    p.add_argument(
+        "--at-step", type=int, default=15, help="lose the node once rank 0 did this step"
+    )
+    p.add_argument(
+        "--lose",
+        default="group-rank:0",
+        help="which node: index:N (a pod index) or group-rank:N (a rank in the current round)",
+    )
+    p.add_argument(
+        "--pod-restart-s",
+        type=float,
+        default=5.0,
+        help="from a pod's creation to its container's start (scheduling, image): replacements",
+    )
+    p.add_argument(
+        "--keep-alive-s", type=float, default=0.25, help="rendezvous keep-alive interval"
+    )
+    p.add_argument(
+        "--keep-alive-attempts",
+        type=int,
+        default=4,
+        help="keep-alives missed before a node is dropped (detection = interval x attempts)",
+    )
+    p.add_argument(
+        "--mode",
+        choices=["auto", "netns", "loopback"],
+        default="auto",
+        help="emulated pods: network namespaces (root) or process trees on loopback",
+    )
     p.add_argument("--out", default="runs/bench-k8s", help="output directory")
     p.add_argument("--json", metavar="PATH", help="write the table as JSON")
 

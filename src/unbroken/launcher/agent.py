@@ -368,7 +368,8 @@ class Agent:
                 self._emit(
                     ev.JOB_END, status="ok", exit_code=0, restarts=m.restarts, round=self.round
                 )
-                logger.info("all workers finished (%d restarts)", m.restarts)
+                if self.info is not None:
+                    logger.info("all workers finished (%d restarts)", m.restarts)
                 return code
             path = self.cfg.error_path(self.run_dir)
             self.error_record = errors.write_error_file(

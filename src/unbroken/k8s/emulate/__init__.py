@@ -2,6 +2,8 @@
 
 - ``net``: pods as network namespaces with their own address, hostname and PID namespace, DNS
   as per-pod hosts files (root); or, anywhere, as process trees on loopback addresses;
+- ``dns``: the names the cluster DNS gives (headless and ClusterIP Services), as hosts files or,
+  on loopback, written into the containers' arguments;
 - ``pod``: one pod, its container's process and how it ends (deleted, or its node lost);
 - ``workloads``: the controllers' semantics: an Indexed Job (``podFailurePolicy``,
   ``backoffLimitPerIndex``, ``maxFailedIndexes``, ``backoffLimit``, replacement pods with new

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from unbroken.k8s.emulate.dns import Dns, Localizer, Service
 from unbroken.k8s.emulate.net import LoopbackNetwork, NetnsNetwork, Network, netns_unavailable
 from unbroken.k8s.emulate.pod import DISRUPTION, Pod, expand
 from unbroken.k8s.emulate.workloads import DeploymentRun, JobRun, JobSetRun
@@ -63,17 +64,6 @@ class EmulationConfig:
             raise ValueError(f"poll_s must be > 0, got {self.poll_s}")
 
 
-@dataclass
-class _Service:
-    selector: dict[str, str]
-    namespace: str
-    headless: bool
-
-
-def _selects(selector: dict[str, str], labels: dict[str, str]) -> bool:
-    return bool(selector) and all(labels.get(k) == v for k, v in selector.items())
-
-
 class Cluster:
     """An emulated cluster in ``workdir`` (pod logs under ``workdir/pods``)."""
 
@@ -98,13 +88,13 @@ class Cluster:
             mode = "netns" if netns_unavailable() is None else "loopback"
         self.network: Network = NetnsNetwork() if mode == "netns" else LoopbackNetwork()
         self.mode = mode
-        self.services: dict[str, _Service] = {}
+        self.dns = Dns(self.cfg.cluster_domain)
+        self.localizer = Localizer()
         self.pods: list[Pod] = []
         self.history: list[dict[str, Any]] = []
         self.workloads: list[JobRun | JobSetRun] = []
         self.deployments: list[DeploymentRun] = []
         self.closing = False
-        self._ports: dict[int, int] = {}
         self._timers: list[tuple[float, int, Callable[[], None]]] = []
         self._seq = itertools.count()
         self._whens: list[tuple[Callable[[], bool], Callable[[], None]]] = []
@@ -126,7 +116,7 @@ class Cluster:
         self._whens.append((cond, fn))
 
     def add_headless_service(self, name: str, selector: dict[str, str], namespace: str) -> None:
-        self.services[name] = _Service(selector, namespace, headless=True)
+        self.dns.services[name] = Service(selector, namespace, headless=True)
 
     def create_pod(
         self,
@@ -174,7 +164,7 @@ class Cluster:
                 ns = meta.get("namespace", "default")
                 if kind == "Service":
                     spec = doc.get("spec", {})
-                    self.services[meta["name"]] = _Service(
+                    self.dns.services[meta["name"]] = Service(
                         dict(spec.get("selector") or {}), ns, spec.get("clusterIP") == "None"
                     )
                 elif kind == "PersistentVolumeClaim" and meta["name"] not in self.volumes:
@@ -294,7 +284,7 @@ class Cluster:
                 owner=pod.owner,
             )
         if ended:
-            self._publish()
+            self.dns.publish(self.network, self.pods)
         for pod in ended:
             self._ends.pop(pod.name)(pod)
         while self._timers and self._timers[0][0] <= now:
@@ -312,7 +302,7 @@ class Cluster:
         template = self._templates[pod.name]
         container = template["spec"]["containers"][0]
         pod.net = self.network.attach(pod.name)
-        self._publish()
+        self.dns.publish(self.network, self.pods)
         env = pod.container_env(container)
         if pod.index is not None:
             env.setdefault("JOB_COMPLETION_INDEX", str(pod.index))
@@ -324,7 +314,13 @@ class Cluster:
         argv = [self._host_paths(a, mounts) for a in argv]
         env = {k: self._host_paths(v, mounts) for k, v in env.items()}
         if self.mode == "loopback":
-            argv, env = self._loopback(argv, env, pod)
+            argv, env = self.localizer.rewrite(
+                argv,
+                env,
+                answers=self.dns.answers(self.pods),
+                templates=self._templates.values(),
+                pod=pod,
+            )
         head = self.commands.get(argv[0], [argv[0]])
         pod.start(
             [*head, *argv[1:]],
@@ -357,97 +353,3 @@ class Cluster:
         for mount, host in mounts.items():
             text = re.sub(rf"(?<![\w/.-]){re.escape(mount)}(?=/|$|[\s,:;])", str(host), text)
         return text
-
-    def _names(self) -> dict[str, str]:
-        """DNS name -> address, as the cluster DNS answers now."""
-        out: dict[str, str] = {}
-        # A pod has its record from the moment it has an address (publishNotReadyAddresses)
-        # until it ends.
-        live = [p for p in self.pods if p.net is not None and p.exit_code is None]
-        for pod in live:
-            svc = self.services.get(pod.subdomain or "")
-            if svc is not None and svc.headless and _selects(svc.selector, pod.labels):
-                for n in pod.names(self.cfg.cluster_domain):
-                    out[n] = str(pod.ip)
-        for name, svc in self.services.items():
-            if svc.headless:
-                continue
-            target = next((p for p in live if _selects(svc.selector, p.labels)), None)
-            if target is not None:
-                ns, dom = svc.namespace, self.cfg.cluster_domain
-                for n in (f"{name}.{ns}.svc.{dom}", f"{name}.{ns}.svc", f"{name}.{ns}", name):
-                    out[n] = str(target.ip)
-        return out
-
-    def _publish(self) -> None:
-        records: dict[str, list[str]] = {}
-        for name, ip in sorted(self._names().items(), key=lambda kv: -len(kv[0])):
-            records.setdefault(ip, []).append(name)
-        own = {}
-        for pod in self.pods:
-            if pod.net is not None and pod.net.netns and pod.exit_code is None:
-                own[pod.net.netns] = (
-                    pod.net.ip,
-                    [*pod.names(self.cfg.cluster_domain), pod.hostname],
-                )
-        self.network.publish(records, own)
-
-    def _port(self, port: int) -> int:
-        if port not in self._ports:
-            self._ports[port] = LoopbackNetwork.free_port()
-        return self._ports[port]
-
-    def _loopback(
-        self, argv: list[str], env: dict[str, str], pod: Pod
-    ) -> tuple[list[str], dict[str, str]]:
-        """Loopback mode: names become addresses, declared ports free ones (labelled)."""
-        names = self._names()
-        declared = {
-            int(p["containerPort"])
-            for t in self._templates.values()
-            for c in t["spec"]["containers"]
-            for p in c.get("ports") or []
-        }
-        pattern = (
-            re.compile(
-                r"(?<![\w.-])("
-                + "|".join(re.escape(n) for n in sorted(names, key=len, reverse=True))
-                + r")(?::(\d+))?(?![\w.-])"
-            )
-            if names
-            else None
-        )
-
-        def sub(text: str) -> str:
-            if pattern is not None:
-                text = pattern.sub(
-                    lambda m: (
-                        names[m.group(1)]
-                        + (
-                            f":{self._port(int(m.group(2)))}"
-                            if m.group(2) and int(m.group(2)) in declared
-                            else (f":{m.group(2)}" if m.group(2) else "")
-                        )
-                    ),
-                    text,
-                )
-            return re.sub(
-                r"^(--port=)(\d+)$",
-                lambda m: (
-                    m.group(1) + str(self._port(int(m.group(2))))
-                    if int(m.group(2)) in declared
-                    else m.group(0)
-                ),
-                text,
-            )
-
-        argv = [sub(a) for a in argv]
-        env = {
-            k: str(self._port(int(v)))
-            if k.endswith("PORT") and v.isdigit() and int(v) in declared
-            else sub(v)
-            for k, v in env.items()
-        }
-        if argv and argv[0] == "unbroken-run":
-            argv = [argv[0], f"--local-addr={pod.ip}", *argv[1:]]
-        return argv, env
