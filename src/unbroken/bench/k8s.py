@@ -2,7 +2,8 @@
 
 The job is rendered by ``unbroken k8s render`` (Indexed Job + headless Service + the store
 pod) and run by the emulated cluster (``unbroken.k8s.emulate``: an emulation, so labelled);
-once rank 0 completed step ``--at-step``, one node is lost (its link goes down, then every
+once rank 0 completed step ``--at-step`` and every agent reached the rendezvous store (a spare
+is waiting), one node is lost (its link goes down, then every
 process of it dies; the pod gets ``DisruptionTarget``). Configurations:
 
 - ``clean``: no loss (the reference ``final_state_sha256`` and step time);
@@ -183,6 +184,16 @@ class LedgerTail:
             default=-1,
         )
 
+    def connected(self) -> set[str]:
+        """Hosts whose agent has reached the rendezvous store (can join, or wait as a spare)."""
+        return {
+            str(r.get("host"))
+            for r in self.records
+            if r["rank"] == ev.LAUNCHER_RANK
+            and r["kind"] == ev.PHASE
+            and r.get("name") == "connect"
+        }
+
     def host_of_group_rank(self, group_rank: int) -> str | None:
         """The host of ``group_rank`` in the latest round."""
         rounds = [
@@ -256,7 +267,9 @@ def run_node_loss(run: NodeLoss, workdir: Path) -> NodeLossResult:
                     f"the job never reached step {run.at_step} (status {cluster.status()})"
                 )
             tail.poll()
-            if tail.step(0) >= run.at_step:
+            # A spare must be waiting in the rendezvous before a node is lost.
+            ready = run.baseline or len(tail.connected()) >= run.nodes + run.spares
+            if ready and tail.step(0) >= run.at_step:
                 res.lost_host = _target(run, cluster, tail)
                 res.lost_ts = cluster.lose(cluster.pod(res.lost_host))
             time.sleep(0.01)

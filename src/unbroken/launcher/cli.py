@@ -125,6 +125,7 @@ def run(spec: largs.JobSpec, cfg: largs.lconfig.LauncherConfig) -> int:
     try:
         from unbroken.launcher.rendezvous import C10dRendezvous
 
+        connect = time.time()
         try:
             rdzv = C10dRendezvous(
                 spec,
@@ -134,6 +135,9 @@ def run(spec: largs.JobSpec, cfg: largs.lconfig.LauncherConfig) -> int:
             )
         except errors.LauncherError as e:
             return _rendezvous_failed(ledger, error_path, run_id, e)
+        # Reaching the rendezvous store (a store pod may still be starting); from here on this
+        # node can join a round, or wait as a hot spare.
+        ledger.interval(ev.PHASE, begin=connect, name="connect", host=socket.gethostname())
         state_file = run_dir / "launcher" / STATE_FILE
         tracker = HeartbeatTracker(
             enabled=cfg.hang_detection,

@@ -34,6 +34,7 @@ import json
 import logging
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -96,8 +97,9 @@ def _seconds(conf: dict[str, Any], key: str) -> float | None:
     return value
 
 
-def _fast_polls(poll_s: float) -> None:
-    """Shorten torch's hard-coded 1 s wait between two looks at the rendezvous state.
+def _fast_polls(poll_s: float) -> Callable[[], None]:
+    """Shorten torch's hard-coded 1 s wait between two looks at the rendezvous state; returns
+    the function that undoes it.
 
     ``dynamic_rendezvous._delay(seconds=1)`` is the only call with that argument (the start
     skew passes a range); the agent runs one handler, so the change is scoped to it.
@@ -111,6 +113,11 @@ def _fast_polls(poll_s: float) -> None:
 
     delay.__wrapped__ = original  # type: ignore[attr-defined]
     dr._delay = delay
+
+    def undo() -> None:
+        dr._delay = original
+
+    return undo
 
 
 class C10dRendezvous:
@@ -175,8 +182,7 @@ class C10dRendezvous:
                 f"cannot reach the c10d rendezvous at {spec.rdzv_endpoint}: {e}; check "
                 "--rdzv-endpoint and that the host agent (or the store pod) is up"
             ) from e
-        if poll_s != 1.0:
-            _fast_polls(poll_s)
+        self._undo_polls = _fast_polls(poll_s) if poll_s != 1.0 else None
         self.job_store: Any = store  # a TCPStore (mypy sees the Store base)
         host, _ = _split(spec.rdzv_endpoint)
         self.store_addr = f"{host}:{getattr(store, 'port', 0)}"
@@ -283,3 +289,6 @@ class C10dRendezvous:
             self.handler.shutdown()
         except Exception as e:
             logger.warning("rendezvous shutdown failed: %s", e)
+        if self._undo_polls is not None:
+            self._undo_polls()
+            self._undo_polls = None
