@@ -215,7 +215,7 @@ class LedgerTail:
 def _target(run: NodeLoss, cluster: Cluster, tail: LedgerTail) -> str:
     assert run.lose is not None
     what, _, n = run.lose.partition(":")
-    if what == "index":
+    if what == "index" or (what == "group-rank" and run.baseline):  # static: rank = index
         prefix = f"{run.name}-node-0" if run.baseline else run.name
         return f"{prefix}-{int(n)}"
     if what == "group-rank":

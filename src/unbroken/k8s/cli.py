@@ -113,4 +113,8 @@ def _validate(args: argparse.Namespace) -> int:
 
 
 def main(args: argparse.Namespace) -> int:
-    return int(args.k8s_func(args))
+    try:
+        return int(args.k8s_func(args))
+    except ImportError as e:  # the k8s extra is not installed
+        print(f"error: {e}", file=sys.stderr)
+        return 2
