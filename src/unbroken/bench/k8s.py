@@ -24,6 +24,7 @@ import argparse
 import json
 import logging
 import os
+import re
 import sys
 import time
 from dataclasses import dataclass, field
@@ -82,6 +83,22 @@ class NodeLoss:
     """Emulation mode: netns, loopback or auto."""
     timeout_s: float = 600.0
     """The whole run is killed after this long."""
+
+    def __post_init__(self) -> None:
+        for name in ("nodes", "nproc", "steps", "keep_alive_attempts"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.spares < 0 or (self.spares and self.baseline):
+            raise ValueError(f"spares must be >= 0, and 0 for the baseline, got {self.spares}")
+        if self.lose is not None and not re.match(r"^(index|group-rank):\d+$", self.lose):
+            raise ValueError(f"lose must be index:N or group-rank:N, got {self.lose!r}")
+        if not 0 <= self.at_step < self.steps:
+            raise ValueError(f"at_step must be in [0, steps={self.steps}), got {self.at_step}")
+        for name in ("keep_alive_s", "rdzv_poll_s", "membership_check_s", "timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.pod_restart_s < 0:
+            raise ValueError(f"pod_restart_s must be >= 0, got {self.pod_restart_s}")
 
     def train_command(self) -> list[str]:
         return [
