@@ -4,7 +4,9 @@
 #   clean      no faults (the reference final state)
 #   inprocess  in-process restart with unbroken-run behind it (every layer)
 #   launcher   unbroken-run restarts only (--no-inprocess)
-#   baseline   an emulation of Kubernetes alone: whole-job relaunch with CrashLoopBackOff
+#   baseline   Kubernetes alone, on the emulated cluster: a failed pod fails the job and the
+#              JobSet recreates every pod (after --pod-restart-s); a hang ends by the peers'
+#              collective timeout
 # then the table (training/infrastructure goodput, recovery, steps lost, = clean?), an HTML
 # report, the runs ingested into the knowledge base, and how to open the dashboard on them.
 set -euo pipefail

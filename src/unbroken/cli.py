@@ -1,5 +1,5 @@
 """The ``unbroken`` umbrella CLI: reports, the dashboard, the knowledge base, fault plans,
-benchmarks."""
+benchmarks, Kubernetes manifests."""
 
 from __future__ import annotations
 
@@ -119,6 +119,7 @@ BENCHES: dict[str, tuple[str, str]] = {
     "restart": ("restart", "launcher restart: SIGKILL/SIGSTOP -> training again, vs torchrun"),
     "dashboard": ("dashboard", "what watching a job costs: refresh on a long run, step time"),
     "inprocess": ("inprocess", "in-process restart: exception, stuck collective, Python hang"),
+    "k8s": ("k8s", "node loss on the emulated Kubernetes cluster: hot spare, replacement, alone"),
 }
 
 
@@ -170,6 +171,11 @@ def build_parser() -> argparse.ArgumentParser:
     kc = ksub.add_parser("compare", help="two runs side by side")
     kc.add_argument("runs", nargs=2, metavar="RUN")
     k.set_defaults(func=_cmd_kb)
+    from unbroken.k8s import cli as k8s_cli
+
+    k8 = sub.add_parser("k8s", help="Kubernetes: render and validate manifests, the store pod")
+    k8s_cli.add_arguments(k8)
+    k8.set_defaults(func=k8s_cli.main)
 
     b = sub.add_parser("bench", help="benchmarks")
     bsub = b.add_subparsers(dest="bench", required=True)

@@ -1,4 +1,4 @@
-"""The emulated orchestrator baseline: whole-job relaunch with CrashLoopBackOff."""
+"""The Kubernetes-only baseline on the emulated cluster: a JobSet that recreates every pod."""
 
 from __future__ import annotations
 
@@ -34,9 +34,7 @@ def test_sigkill_relaunches_the_whole_job_and_matches_a_clean_run(
         "faults:\n  - {step: 3, rank: 1, kind: sigkill}\n  - {step: 5, rank: 0, kind: exception}\n"
     )
     run_dir = tmp_path / "job"
-    cfg = OrchestratorConfig(
-        nproc=2, restart_delay_s=0.1, collective_timeout_s=5.0, job_timeout_s=240
-    )
+    cfg = OrchestratorConfig(nproc=2, restart_delay_s=0.1, job_timeout_s=240)
     res = run_orchestrated(
         train_command([*ARGS, "--run-dir", str(run_dir), "--faults", str(plan)]),
         run_dir=run_dir,
@@ -50,9 +48,9 @@ def test_sigkill_relaunches_the_whole_job_and_matches_a_clean_run(
         ("sigkill", "orchestrator"),
         ("exception", "orchestrator"),
     ]
-    # CrashLoopBackOff: the second relaunch waited twice as long as the first.
+    # Each JobSet restart recreates the pods; they start after the pod start delay.
     delays = [e.get("delay_s") for e in read_events(run_dir) if e.kind == "restart_begin"]
-    assert delays == [0.1, 0.2]
+    assert delays == [0.1, 0.1]
     assert all(
         f.recovery_s is not None and f.recovery_s > d
         for f, d in zip(rep.faults, delays, strict=True)
@@ -68,13 +66,13 @@ def test_budget_exhausted_fails(tmp_path: Path) -> None:
         run_dir=run_dir,
         cfg=OrchestratorConfig(nproc=2, restart_delay_s=0.0, max_restarts=0),
     )
-    assert res.returncode == 1 and res.launches == 1
+    assert res.returncode == 1 and res.launches == 1  # the exception's exit code
     assert [e.get("status") for e in read_events(run_dir) if e.kind == "job_end"] == ["failed"]
 
 
 def test_config_is_validated() -> None:
-    with pytest.raises(ValueError, match="max_delay_s"):
-        OrchestratorConfig(restart_delay_s=10, max_delay_s=1)
+    with pytest.raises(ValueError, match="restart_delay_s"):
+        OrchestratorConfig(restart_delay_s=-1)
     with pytest.raises(ValueError, match="nproc"):
         OrchestratorConfig(nproc=0)
 
@@ -83,9 +81,7 @@ def test_a_hang_ends_by_the_survivors_collective_timeout(tmp_path: Path, clean_h
     plan = tmp_path / "plan.yaml"
     plan.write_text("faults:\n  - {step: 2, rank: 0, kind: hang}\n")
     run_dir = tmp_path / "job"
-    cfg = OrchestratorConfig(
-        nproc=2, restart_delay_s=0.1, collective_timeout_s=1.0, job_timeout_s=240
-    )
+    cfg = OrchestratorConfig(nproc=2, restart_delay_s=0.1, job_timeout_s=240)
     res = run_orchestrated(
         train_command(
             [*ARGS, "--run-dir", str(run_dir), "--faults", str(plan), "--pg-timeout-s", "2"]
@@ -94,7 +90,7 @@ def test_a_hang_ends_by_the_survivors_collective_timeout(tmp_path: Path, clean_h
         cfg=cfg,
     )
     assert res.returncode == 0, res.output[-3000:]
-    assert res.launches == 2  # rank 1 timed out, the hung rank 0 was torn down, one relaunch
+    assert res.launches == 2  # rank 1 timed out, the hung rank 0's pod was deleted, one relaunch
     assert final(run_dir)["final_state_sha256"] == clean_hash
     [fault] = goodput.compute(read_events(run_dir)).faults
     assert fault.kind == "hang" and fault.layer == "orchestrator"

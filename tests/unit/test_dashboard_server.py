@@ -4,8 +4,6 @@ alert records and the Alertmanager webhook."""
 from __future__ import annotations
 
 import json
-import os
-import socket
 import threading
 import time
 import urllib.error
@@ -23,6 +21,7 @@ from unbroken.dashboard.server import DashboardServer
 from unbroken.dashboard.webhook import Webhook
 from unbroken.ledger import events as ev
 from unbroken.ledger import read_run
+from unbroken.ledger import writer as ledger_writer
 
 
 class Served:
@@ -186,7 +185,7 @@ def test_a_run_that_cannot_be_written_shows_its_alerts_without_recording(
 ) -> None:
     write(tmp_path, faulty_run())
     # Where this process's ledger file would go, a directory: opening it fails (even as root).
-    blocker = tmp_path / "events" / f"{socket.gethostname()}-p{os.getpid()}.jsonl"
+    blocker = tmp_path / "events" / ledger_writer.file_name()
     blocker.mkdir()
     s = served(tmp_path)
     assert len(s.json(f"/api/run/{tmp_path.name}")[1]["alerts"]) == 6

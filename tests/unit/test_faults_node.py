@@ -162,7 +162,7 @@ def test_without_a_launcher_only_the_process_and_its_children_die(tmp_path: Path
     assert event.get("pids") == [writer]
 
 
-# --- the emulated orchestrator relaunching a lost node ---------------------------------------
+# --- the emulated Kubernetes Job replacing a lost node's pod ---------------------------------------
 LAUNCHER = """
 import json, os, signal, sys, time
 from pathlib import Path
@@ -197,7 +197,7 @@ def test_a_lost_node_is_relaunched_after_the_pod_restart_delay(tmp_path: Path) -
     t0 = time.monotonic()
     res, lines = _node(tmp_path, "twice")
     assert res.returncode == 0 and res.launches == 3
-    assert time.monotonic() - t0 >= 0.05 + 0.1  # CrashLoopBackOff: 0.05 s, then 0.1 s
+    assert time.monotonic() - t0 >= 0.05 + 0.1  # the Job controller's back-off: 0.05 s, 0.1 s
     assert lines.count("done\n") == 1 and "launch 2\n" in res.output
     events = [e for e in read_events(tmp_path) if e.rank == -1]
     kinds = [(e.kind, e.attempt) for e in events]
@@ -215,18 +215,18 @@ def test_a_lost_node_is_relaunched_after_the_pod_restart_delay(tmp_path: Path) -
         "orchestrator",
         "node-loss",
     )
-    assert detected.get("fault_rank") == 1 and detected.get("exit_code") == -signal.SIGKILL
+    assert detected.get("fault_rank") == 1 and detected.get("exit_code") == 128 + signal.SIGKILL
     assert [e.get("delay_s") for e in events if e.kind == "restart_begin"] == [0.05, 0.1]
 
 
 def test_a_launcher_killed_without_node_loss_is_not_relaunched(tmp_path: Path) -> None:
     res, _ = _node(tmp_path, "no-claim")
-    assert (res.returncode, res.launches) == (-signal.SIGKILL, 1)
+    assert (res.returncode, res.launches) == (128 + signal.SIGKILL, 1)
     assert not (tmp_path / "events").exists()  # the orchestrator had nothing to record
 
 
 def test_relaunches_stop_at_max_restarts(tmp_path: Path) -> None:
     res, _ = _node(tmp_path, "twice", max_restarts=1)
-    assert (res.returncode, res.launches) == (-signal.SIGKILL, 2)
+    assert (res.returncode, res.launches) == (128 + signal.SIGKILL, 2)
     ends = [e for e in read_events(tmp_path) if e.kind == "job_end"]
     assert [e.get("status") for e in ends] == ["failed"]

@@ -16,7 +16,7 @@ from unbroken.launcher.agent import Agent
 from unbroken.launcher.config import LauncherConfig
 from unbroken.launcher.machine import State
 from unbroken.launcher.monitor import HeartbeatTracker
-from unbroken.launcher.rendezvous import RoundInfo
+from unbroken.launcher.rendezvous import JobOver, RoundInfo
 from unbroken.launcher.signals import AgentSignal
 from unbroken.launcher.workers import Events, WorkerExit
 from unbroken.ledger import NullRecorder
@@ -302,6 +302,18 @@ def test_rendezvous_failure(tmp_path: Path) -> None:
     rec = json.loads((tmp_path / "error.json").read_text())
     assert (rec["cause"], rec["category"], rec["rank"]) == ("rendezvous", "infra", -1)
     assert "no quorum" in rec["message"]
+
+
+def test_a_spare_that_finds_the_job_over_exits_0_without_workers(tmp_path: Path) -> None:
+    agent, rdzv, workers, ledger = make(
+        tmp_path, [], rounds=[JobOver("the rendezvous 'job' is closed")], max_nodes=4
+    )
+    assert agent.run() == errors.EXIT_OK
+    assert workers.log == [] and not (tmp_path / "error.json").exists()
+    assert rdzv.calls == ["next_round", "close"]  # no exit barrier: it never joined a round
+    (end,) = ledger.of("job_end")
+    assert (end["status"], end["exit_code"]) == ("ok", 0)
+    assert agent.machine.history == [State.INIT, State.RENDEZVOUS, State.SUCCEEDED]
 
 
 def test_membership_change_restarts_without_using_the_budget(tmp_path: Path) -> None:

@@ -60,8 +60,9 @@ RULES: dict[str, tuple[str, ...]] = {
     "workload": ("unbroken", "errors", "env", "log", "ledger", "checkpoint", "faults", "restart"),
     "dashboard": ("version", "ledger", "kb"),
     "kb": ("env", "ledger"),
-    "bench": ("unbroken", *_LIBRARY, "workload", "dashboard", "kb"),
-    "cli": ("unbroken", *_LIBRARY, "workload", "bench", "dashboard", "kb"),
+    "k8s": ("launcher",),
+    "bench": ("unbroken", *_LIBRARY, "workload", "dashboard", "kb", "k8s"),
+    "cli": ("unbroken", *_LIBRARY, "workload", "bench", "dashboard", "kb", "k8s"),
 }
 
 # Whose docstring is not the place for the rule, and why.
@@ -176,7 +177,7 @@ def stated_rule(path: Path) -> tuple[str, ...] | None:
     m = _STATED.search(doc)
     if m is None:
         return None
-    names = re.findall(r"``(unbroken(?:\.[a-z_]+)*)``", m.group(1))
+    names = re.findall(r"``(unbroken(?:\.[a-z0-9_]+)*)``", m.group(1))
     return tuple(_rel(n) for n in names)
 
 
@@ -248,6 +249,7 @@ ENV_BUILDERS = {
     "unbroken.launcher.cli": "the workers' base environment (torchrun's OMP_NUM_THREADS default)",
     "unbroken.launcher.bootstrap": "installs a worker's environment in the forked child",
     "unbroken.launcher.workers": "a worker's environment (TORCH_NCCL_ASYNC_ERROR_HANDLING)",
+    "unbroken.bench.orchestrator": "the emulated pods' environment (this process's, or given)",
 }
 
 

@@ -5,5 +5,5 @@ any part of unbroken but the CLI, through public names only; nothing imports the
 CLI. Imports of ours: ``unbroken``, ``unbroken.errors``, ``unbroken.env``, ``unbroken.log``,
 ``unbroken.ledger``, ``unbroken.checkpoint``, ``unbroken.faults``, ``unbroken.restart``,
 ``unbroken.launcher``, ``unbroken.workload``, ``unbroken.dashboard``, ``unbroken.kb``,
-``unbroken.version``.
+``unbroken.k8s``, ``unbroken.version``.
 """

@@ -1,44 +1,51 @@
-"""An emulation of what Kubernetes alone does when one rank of a job fails (the baseline).
+"""Kubernetes' part in the benchmarks, on the one emulated cluster (``unbroken.k8s.emulate``).
 
-Labelled an emulation everywhere it is reported. What it does, per the published run:
-- the job's ranks run as plain processes (one per "pod"), with no in-job recovery;
-- a rank fails (exits non-zero or is killed): Kubernetes sees the container exit at once, but
-  the other ranks keep waiting in their collectives until their collective timeout ends them
-  (here: until they exit on their own, or ``collective_timeout_s`` passes, then SIGKILL, as a
-  NCCL watchdog abort would);
-- the whole job is relaunched after a pod-restart delay that doubles on every consecutive
-  failure (CrashLoopBackOff: ``restart_delay_s * 2**k``, capped at ``max_delay_s``), and
-  resumes from its last checkpoint.
-Every transition is written to the run's ledger (rank -1, layer "orchestrator"), so the
-baseline's figures come from the same goodput code as ours.
+Labelled an emulation everywhere it is reported (ledger records carry ``emulated``).
 
-``run_node`` is the same emulation around a job that has its own recovery (``unbroken-run``):
-it only steps in where Kubernetes would, when the node itself is lost (a ``node-loss`` fault
-killed the launcher agent and everything under it), and relaunches the node's launcher after
-the pod-restart delay; the job resumes from its last committed checkpoint on disk.
+- ``baseline_objects``: what Kubernetes alone runs (Kubeflow Trainer v2's layout): a JobSet
+  whose replicated Job has one pod per node; each pod runs the training as ranks of a static
+  world (one rank per pod: the command itself, ``RANK`` = the completion index; more: torchrun
+  with the static rendezvous), rank 0's pod serving the store at
+  ``<name>-node-0-0.<name>:29500``. No recovery inside the job: a failed pod fails the child
+  Job (``backoffLimit: 0``), the JobSet deletes every pod and recreates them
+  (``failurePolicy.maxRestarts``); they start after the pod start delay and resume from the
+  last checkpoint. A hung rank ends when its peers' collective timeout fails them.
+- ``run_orchestrated``: that baseline for ``cfg.nproc`` one-rank pods, recorded in the run's
+  ledger (rank -1, layer "orchestrator"): ``fault_detected`` at the first failed pod of a
+  launch (detector "pod-exit"), ``restart_begin``/``restart_end`` around each JobSet restart,
+  ``worker_exit`` per pod, ``job_end``.
+- ``run_node``: a job with its own recovery (``unbroken-run``) as the one pod of an Indexed
+  Job. When a ``node-loss`` fault took the node (the pod died and a node-loss claim is newer
+  than it), the pod has ``DisruptionTarget`` and is replaced after the Job controller's back-off
+  (``restart_delay_s``, doubled per replacement), at most ``max_restarts`` times
+  (``backoffLimitPerIndex``); any other failure is final (``FailIndex``): the launcher
+  recovers everything else itself. Recorded (only when a node is lost) as ``fault_detected``
+  (cause "node-loss", detector "orchestrator"), ``restart_begin``, ``restart_end``.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import signal
-import socket
-import subprocess
 import sys
-import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from unbroken import env as envnames
 from unbroken.faults import fired_faults
+from unbroken.k8s.emulate import Cluster, EmulationConfig
+from unbroken.k8s.emulate.workloads import RESTART_ANNOTATION
 from unbroken.ledger import Ledger
 from unbroken.ledger import events as ev
 
 logger = logging.getLogger(__name__)
+
+STORE_PORT = 29500
+REPLICATED_JOB = "node"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -46,35 +53,26 @@ class OrchestratorConfig:
     """The emulated orchestrator's timings."""
 
     nproc: int = 2
-    """Ranks (pods) of the job."""
+    """Ranks (one-rank pods) of the baseline job."""
     restart_delay_s: float = 2.0
-    """Pod restart delay before the first relaunch (doubles per consecutive failure)."""
-    max_delay_s: float = 300.0
-    """Cap of the CrashLoopBackOff delay (Kubernetes caps at 5 minutes)."""
-    collective_timeout_s: float = 5.0
-    """How long surviving ranks wait in a collective before they are torn down."""
+    """Baseline: from a JobSet restart to its pods' start. run_node: the Job controller's
+    back-off before the first replacement (doubled for each further one)."""
     max_restarts: int = 10
-    """Relaunches before the job is declared failed (a Job's backoffLimit)."""
+    """Baseline: JobSet restarts (``maxRestarts``); run_node: replacements of a lost node."""
     job_timeout_s: float = 600.0
     """Safety net: the whole emulated job is killed after this long."""
+    mode: str = "auto"
+    """Emulation mode: "netns" (root), "loopback", or "auto"."""
 
     def __post_init__(self) -> None:
         if self.nproc < 1:
             raise ValueError(f"nproc must be >= 1, got {self.nproc}")
-        for name in ("restart_delay_s", "collective_timeout_s"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
-        if self.max_delay_s < self.restart_delay_s:
-            raise ValueError(
-                f"max_delay_s ({self.max_delay_s}) must be >= restart_delay_s "
-                f"({self.restart_delay_s})"
-            )
+        if self.restart_delay_s < 0:
+            raise ValueError(f"restart_delay_s must be >= 0, got {self.restart_delay_s}")
         if self.max_restarts < 0:
             raise ValueError(f"max_restarts must be >= 0, got {self.max_restarts}")
-
-    def backoff_s(self, consecutive: int) -> float:
-        """CrashLoopBackOff: the delay before relaunch after ``consecutive`` earlier ones."""
-        return min(self.max_delay_s, self.restart_delay_s * (2**consecutive))
+        if not self.job_timeout_s > 0:
+            raise ValueError(f"job_timeout_s must be > 0, got {self.job_timeout_s}")
 
 
 @dataclass
@@ -82,177 +80,241 @@ class OrchestratorResult:
     """How the emulated job ended."""
 
     returncode: int
-    """0 when the last launch succeeded on every rank."""
+    """0 when the job completed; else the last failed pod's exit code (128 + N: signal N)."""
     launches: int
-    """How many times the job was launched."""
+    """Launches of the job (baseline) or of the node's pod (run_node)."""
     output: str
-    """Combined output of every rank of every launch."""
+    """Combined output of every pod, in start order."""
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+def baseline_objects(
+    *,
+    name: str,
+    nodes: int,
+    nproc: int,
+    command: Sequence[str],
+    max_restarts: int,
+    claim: str | None = None,
+    mount: str | None = None,
+    env: dict[str, str] | None = None,
+) -> list[dict[str, Any]]:
+    """Kubernetes alone: a headless-DNS JobSet of ``nodes`` pods × ``nproc`` ranks (see above)."""
+    master = f"{name}-{REPLICATED_JOB}-0-0.{name}"
+    index = "$(JOB_COMPLETION_INDEX)"
+    container_env = [
+        {
+            "name": "JOB_COMPLETION_INDEX",
+            "valueFrom": {
+                "fieldRef": {
+                    "fieldPath": "metadata.annotations['batch.kubernetes.io/job-completion-index']"
+                }
+            },
+        },
+        {
+            "name": "RESTART_ATTEMPT",
+            "valueFrom": {
+                "fieldRef": {"fieldPath": f"metadata.annotations['{RESTART_ANNOTATION}']"}
+            },
+        },
+        {"name": envnames.OMP_NUM_THREADS, "value": "1"},
+        {"name": envnames.UNBROKEN_RUN_ID, "value": name},
+        *({"name": k, "value": v} for k, v in sorted((env or {}).items())),
+    ]
+    if nproc == 1:
+        argv = list(command)
+        container_env += [
+            {"name": envnames.RANK, "value": index},
+            {"name": envnames.GROUP_RANK, "value": index},
+            {"name": envnames.LOCAL_RANK, "value": "0"},
+            {"name": envnames.WORLD_SIZE, "value": str(nodes)},
+            {"name": envnames.LOCAL_WORLD_SIZE, "value": "1"},
+            {"name": envnames.MASTER_ADDR, "value": master},
+            {"name": envnames.MASTER_PORT, "value": str(STORE_PORT)},
+            {"name": envnames.RESTART_COUNT, "value": "$(RESTART_ATTEMPT)"},
+        ]
+    else:
+        argv = [
+            "torchrun",
+            f"--nnodes={nodes}",
+            f"--nproc-per-node={nproc}",
+            f"--node-rank={index}",
+            "--rdzv-backend=static",
+            f"--master-addr={master}",
+            f"--master-port={STORE_PORT}",
+            "--max-restarts=0",
+            *command,
+        ]
+    container: dict[str, Any] = {
+        "name": "trainer",
+        "image": "emulated",
+        "command": argv[:1],
+        "args": argv[1:],
+        "env": container_env,
+        "ports": [{"name": "store", "containerPort": STORE_PORT}],
+    }
+    pod: dict[str, Any] = {
+        "restartPolicy": "Never",
+        "terminationGracePeriodSeconds": 5,
+        "containers": [container],
+    }
+    if claim is not None and mount is not None:
+        container["volumeMounts"] = [{"name": "checkpoints", "mountPath": mount}]
+        pod["volumes"] = [{"name": "checkpoints", "persistentVolumeClaim": {"claimName": claim}}]
+    job = {
+        "completionMode": "Indexed",
+        "completions": nodes,
+        "parallelism": nodes,
+        "backoffLimit": 0,
+        "template": {"spec": pod},
+    }
+    return [
+        {
+            "apiVersion": "jobset.x-k8s.io/v1alpha2",
+            "kind": "JobSet",
+            "metadata": {"name": name, "namespace": "default"},
+            "spec": {
+                "network": {"enableDNSHostnames": True, "publishNotReadyAddresses": True},
+                "failurePolicy": {"maxRestarts": max_restarts},
+                "replicatedJobs": [
+                    {"name": REPLICATED_JOB, "replicas": 1, "template": {"spec": job}}
+                ],
+            },
+        }
+    ]
 
 
-def _launch(
-    cmd: Sequence[str], cfg: OrchestratorConfig, attempt: int, run_id: str, log_dir: Path
-) -> list[tuple[subprocess.Popen[bytes], Path]]:
-    port = _free_port()  # a fresh "pod IP:port" per launch, as new pods get
-    procs = []
-    for rank in range(cfg.nproc):
-        env = dict(os.environ)
-        env.update(
-            {
-                envnames.RANK: str(rank),
-                envnames.LOCAL_RANK: "0",
-                envnames.WORLD_SIZE: str(cfg.nproc),
-                envnames.LOCAL_WORLD_SIZE: "1",
-                envnames.GROUP_RANK: str(rank),
-                envnames.MASTER_ADDR: "127.0.0.1",
-                envnames.MASTER_PORT: str(port),
-                envnames.RESTART_COUNT: str(attempt),
-                envnames.UNBROKEN_RUN_ID: run_id,
-                envnames.OMP_NUM_THREADS: "1",
-            }
-        )
-        env.pop(envnames.USE_AGENT_STORE, None)
-        log = log_dir / f"launch{attempt}-rank{rank}.log"
-        with open(log, "wb") as out:
-            procs.append(
-                (
-                    subprocess.Popen(
-                        list(cmd),
-                        env=env,
-                        stdout=out,
-                        stderr=subprocess.STDOUT,
-                        start_new_session=True,
-                    ),
-                    log,
-                )
-            )
-    return procs
+def _drive(
+    cluster: Cluster, cfg: OrchestratorConfig, on_line: Callable[[str], None] | None
+) -> tuple[str, str]:
+    """Wait for the job (passing new pod log lines to ``on_line``); (status, all output)."""
+    deadline = time.monotonic() + cfg.job_timeout_s
+    read: dict[Path, int] = {}
 
+    def pump() -> None:
+        for pod in list(cluster.pods):
+            if pod.log is None or not pod.log.exists():
+                continue
+            data = pod.log.read_bytes()
+            end = data.rfind(b"\n") + 1
+            start, read[pod.log] = read.get(pod.log, 0), max(end, read.get(pod.log, 0))
+            if on_line is not None:
+                for line in data[start:end].decode(errors="replace").splitlines(keepends=True):
+                    on_line(line)
 
-def _kill(procs: Sequence[subprocess.Popen[bytes]]) -> None:
-    for p in procs:
-        if p.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(p.pid, signal.SIGKILL)
-    for p in procs:
-        p.wait()
+    try:
+        while True:
+            pump()
+            if all(w.settled for w in cluster.workloads):
+                break
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"emulated job exceeded {cfg.job_timeout_s}s")
+            time.sleep(0.05)
+        pump()
+        status = str(cluster.status())
+    finally:
+        cluster.close()
+    output = "".join(
+        p.log.read_text(errors="replace") for p in cluster.pods if p.log and p.log.exists()
+    )
+    return status, output
 
 
 def run_orchestrated(
     cmd: Sequence[str], *, run_dir: Path, cfg: OrchestratorConfig, run_id: str | None = None
 ) -> OrchestratorResult:
-    """Run ``cmd`` as ``cfg.nproc`` ranks under the emulated orchestrator."""
+    """Run ``cmd`` as ``cfg.nproc`` one-rank pods of the Kubernetes-only baseline."""
     run_dir.mkdir(parents=True, exist_ok=True)
-    log_dir = run_dir / "orchestrator"
-    log_dir.mkdir(exist_ok=True)
     run_id = run_id or run_dir.name
+    cluster = Cluster(
+        run_dir / "orchestrator",
+        cfg=EmulationConfig(mode=cfg.mode, pod_start_delay_s=cfg.restart_delay_s),
+        env=dict(os.environ),
+    )
+    docs = baseline_objects(
+        name="job", nodes=cfg.nproc, nproc=1, command=cmd, max_restarts=cfg.max_restarts
+    )
+    cluster.apply(docs)
+    status, output = _drive(cluster, cfg, None)
+    launches, code = _record_baseline(cluster.history, run_dir, run_id, delay_s=cfg.restart_delay_s)
+    return OrchestratorResult(0 if status == "Complete" else code or 1, launches, output)
+
+
+def _record_baseline(
+    history: list[dict[str, Any]], run_dir: Path, run_id: str, *, delay_s: float
+) -> tuple[int, int]:
+    """The baseline's ledger records from the cluster's history; (launches, last failure code)."""
     ledger = Ledger(run_dir, run=run_id, rank=ev.LAUNCHER_RANK)
-    deadline = time.monotonic() + cfg.job_timeout_s
-    outputs: list[str] = []
-    attempt = 0
-    consecutive = 0
+    launch, detected, restarting, code = 0, False, False, 0
     try:
-        while True:
-            ledger.set_context(attempt=attempt)
-            if attempt:
-                ledger.emit(ev.RESTART_END, layer="orchestrator", emulated=True)
-            launched = _launch(cmd, cfg, attempt, run_id, log_dir)
-            procs = [p for p, _ in launched]
-            failed_at = None
-            first_fail: tuple[int, int] | None = None
-            while [p.poll() for p in procs].count(None):  # poll every rank, no short-circuit
-                if time.monotonic() > deadline:
-                    _kill(procs)
-                    raise TimeoutError(f"emulated job exceeded {cfg.job_timeout_s}s")
-                if failed_at is None:
-                    for rank, p in enumerate(procs):
-                        if p.returncode not in (None, 0):
-                            failed_at, first_fail = time.time(), (rank, p.returncode)
-                            break
-                elif time.time() - failed_at > cfg.collective_timeout_s:
-                    _kill(procs)  # the survivors' collective timeout ends them
-                time.sleep(0.005)
-            for _, log in launched:
-                outputs.append(log.read_text(errors="replace"))
-            codes = [p.returncode for p in procs]
-            if all(c == 0 for c in codes):
-                ledger.emit(ev.JOB_END, status="ok", launches=attempt + 1)
-                return OrchestratorResult(0, attempt + 1, "".join(outputs))
-            if first_fail is None:  # every failure came at once
-                first_fail = next((r, c) for r, c in enumerate(codes) if c != 0)
-                failed_at = time.time()
-            rank, code = first_fail
-            ledger.emit(
-                ev.FAULT_DETECTED,
-                ts=failed_at,
-                cause=_cause(code),
-                detector="pod-exit",
-                layer="orchestrator",
-                fault_rank=rank,
-                exit_code=code,
-                emulated=True,
-            )
-            for r, c in enumerate(codes):
-                ledger.emit(ev.WORKER_EXIT, worker_rank=r, exit_code=c)
-            if attempt >= cfg.max_restarts:
-                ledger.emit(ev.JOB_END, status="failed", launches=attempt + 1)
-                return OrchestratorResult(1, attempt + 1, "".join(outputs))
-            delay = cfg.backoff_s(consecutive)
-            ledger.emit(ev.RESTART_BEGIN, layer="orchestrator", delay_s=delay, emulated=True)
-            logger.info(
-                "emulated pod restart in %.2fs (CrashLoopBackOff step %d)", delay, consecutive
-            )
-            time.sleep(delay)
-            consecutive += 1
-            attempt += 1
+        for h in history:
+            kind, ts = h["event"], h["ts"]
+            if kind == "pod_started" and restarting:
+                launch, restarting, detected = launch + 1, False, False
+                ledger.set_context(attempt=launch)
+                ledger.emit(ev.RESTART_END, ts=ts, layer="orchestrator", emulated=True)
+            elif kind == "pod_failed" and not detected:
+                detected, code = True, int(h["exit_code"])
+                ledger.emit(
+                    ev.FAULT_DETECTED,
+                    ts=ts,
+                    cause=_cause(code),
+                    detector="pod-exit",
+                    layer="orchestrator",
+                    fault_rank=h["index"],
+                    exit_code=code,
+                    emulated=True,
+                )
+            elif kind == "pod_ended" and h.get("index") is not None:
+                ledger.emit(ev.WORKER_EXIT, ts=ts, worker_rank=h["index"], exit_code=h["exit_code"])
+            elif kind == "jobset_restart":
+                restarting = True
+                ledger.emit(
+                    ev.RESTART_BEGIN, ts=ts, layer="orchestrator", delay_s=delay_s, emulated=True
+                )
+            elif kind in ("jobset_complete", "jobset_failed"):
+                status = "ok" if kind == "jobset_complete" else "failed"
+                ledger.emit(ev.JOB_END, ts=ts, status=status, launches=launch + 1, emulated=True)
     finally:
         ledger.close()
+    return launch + 1, code
 
 
-def _run_streaming(
-    cmd: Sequence[str],
-    *,
-    env: dict[str, str] | None,
-    timeout_s: float,
-    on_line: Callable[[str], None] | None,
-) -> tuple[int, str]:
-    """Run ``cmd`` in its own session to its end (killed with its group after ``timeout_s``),
-    passing each output line to ``on_line``; (returncode, output)."""
-    proc = subprocess.Popen(
-        list(cmd),
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
-
-    def kill_group() -> None:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(proc.pid, signal.SIGKILL)
-
-    killer = threading.Timer(max(0.0, timeout_s), kill_group)
-    killer.start()
-    lines = []
-    try:
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            lines.append(line)
-            if on_line is not None:
-                on_line(line)
-        proc.wait()
-    finally:
-        killer.cancel()
-        kill_group()  # stragglers of the session, if any
-        if proc.stdout is not None:
-            proc.stdout.close()
-        proc.wait()
-    return proc.returncode, "".join(lines)
+def node_job(cmd: Sequence[str], *, max_restarts: int) -> list[dict[str, Any]]:
+    """One node's launcher as the one pod of an Indexed Job (see ``run_node``)."""
+    return [
+        {
+            "apiVersion": "batch/v1",
+            "kind": "Job",
+            "metadata": {"name": "node", "namespace": "default"},
+            "spec": {
+                "completionMode": "Indexed",
+                "completions": 1,
+                "parallelism": 1,
+                "backoffLimitPerIndex": max_restarts,
+                "podReplacementPolicy": "Failed",
+                "podFailurePolicy": {
+                    "rules": [
+                        {
+                            "action": "Count",
+                            "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}],
+                        },
+                        {
+                            "action": "FailIndex",
+                            "onExitCodes": {"operator": "NotIn", "values": [0]},
+                        },
+                    ]
+                },
+                "template": {
+                    "spec": {
+                        "restartPolicy": "Never",
+                        "containers": [
+                            {"name": "launcher", "image": "emulated", "command": list(cmd)}
+                        ],
+                    }
+                },
+            },
+        }
+    ]
 
 
 def run_node(
@@ -264,69 +326,78 @@ def run_node(
     on_line: Callable[[str], None] | None = None,
     run_id: str | None = None,
 ) -> OrchestratorResult:
-    """Run one node's launcher (``cmd``: ``unbroken-run ...`` writing its faults under
-    ``run_dir``) as Kubernetes runs the node's pod. When the launcher dies of a signal after a
-    ``node-loss`` fault fired (the node went away, with the launcher's own recovery), the pod is
-    relaunched after ``cfg.restart_delay_s`` (doubling per consecutive loss, capped at
-    ``cfg.max_delay_s``; at most ``cfg.max_restarts`` times). Any other ending is final: the
-    launcher recovers everything else itself. ``cfg.nproc`` and ``collective_timeout_s`` are
-    not used; ``cfg.job_timeout_s`` bounds all launches together.
-
-    Ledger (rank -1, layer "orchestrator", ``emulated``), only when a node is lost:
-    ``fault_detected`` (cause "node-loss", detector "orchestrator") at the launcher's exit,
-    ``restart_begin`` with the delay, ``restart_end`` as the next launch starts."""
+    """Run one node's launcher (``cmd``, writing its faults under ``run_dir``) as Kubernetes runs
+    the node's pod (see the module docstring); ``cfg.nproc`` is not used."""
     run_id = run_id or run_dir.name
-    deadline = time.monotonic() + cfg.job_timeout_s
+    run_dir.mkdir(parents=True, exist_ok=True)
+
+    def disrupted(pod: Any) -> bool:  # a node-loss claim newer than the pod: its node is gone
+        return any(
+            r.get("kind") == "node-loss" and float(r.get("ts", 0)) >= pod.started
+            for r in fired_faults(run_dir)
+        )
+
+    cluster = Cluster(
+        run_dir / "orchestrator",
+        cfg=EmulationConfig(mode=cfg.mode, failure_backoff_s=cfg.restart_delay_s),
+        env=dict(os.environ if env is None else env),
+        disrupted=disrupted,
+    )
+    cluster.apply(node_job(cmd, max_restarts=cfg.max_restarts))
+    status, output = _drive(cluster, cfg, on_line)
+    pods = [p for p in cluster.pods if p.proc is not None]
+    code = 0 if status == "Complete" else (pods[-1].exit_code if pods else 1) or 1
     ledger: Ledger | None = None
-    outputs: list[str] = []
-    handled = 0  # node-loss faults already answered with a relaunch
-    attempt = consecutive = 0
+    claims = sorted(
+        (r for r in fired_faults(run_dir) if r.get("kind") == "node-loss"), key=lambda r: r["ts"]
+    )
+    launch = 0
     try:
-        while True:
-            if ledger is not None:
-                ledger.set_context(attempt=attempt)
-                ledger.emit(ev.RESTART_END, layer="orchestrator", emulated=True)
-            code, out = _run_streaming(
-                cmd, env=env, timeout_s=deadline - time.monotonic(), on_line=on_line
-            )
-            exit_ts = time.time()
-            outputs.append(out)
-            lost = [r for r in fired_faults(run_dir) if r.get("kind") == "node-loss"]
-            if code >= 0 or len(lost) <= handled or time.monotonic() >= deadline:
-                return OrchestratorResult(code, attempt + 1, "".join(outputs))
-            fault, handled = lost[handled], len(lost)
-            if ledger is None:
-                ledger = Ledger(run_dir, run=run_id, rank=ev.LAUNCHER_RANK, attempt=attempt)
-            ledger.emit(
-                ev.FAULT_DETECTED,
-                ts=exit_ts,
-                cause="node-loss",
-                detector="orchestrator",
-                layer="orchestrator",
-                fault_rank=fault.get("rank"),
-                exit_code=code,
-                emulated=True,
-            )
-            if attempt >= cfg.max_restarts:
-                ledger.emit(ev.JOB_END, status="failed", launches=attempt + 1, emulated=True)
-                return OrchestratorResult(code, attempt + 1, "".join(outputs))
-            delay = cfg.backoff_s(consecutive)
-            ledger.emit(ev.RESTART_BEGIN, layer="orchestrator", delay_s=delay, emulated=True)
-            logger.info("node lost: emulated pod restart in %.2fs", delay)
-            time.sleep(delay)
-            consecutive += 1
-            attempt += 1
+        for h in cluster.history:
+            if h["event"] == "pod_failed" and "DisruptionTarget" in h["conditions"]:
+                claim = claims[launch] if launch < len(claims) else {}
+                if ledger is None:
+                    ledger = Ledger(run_dir, run=run_id, rank=ev.LAUNCHER_RANK, attempt=launch)
+                ledger.emit(
+                    ev.FAULT_DETECTED,
+                    ts=h["ts"],
+                    cause="node-loss",
+                    detector="orchestrator",
+                    layer="orchestrator",
+                    fault_rank=claim.get("rank"),
+                    exit_code=h["exit_code"],
+                    emulated=True,
+                )
+                if launch < cfg.max_restarts:
+                    delay = cfg.restart_delay_s * 2**launch
+                    ledger.emit(
+                        ev.RESTART_BEGIN,
+                        ts=h["ts"],
+                        layer="orchestrator",
+                        delay_s=delay,
+                        emulated=True,
+                    )
+            elif h["event"] == "pod_started" and ledger is not None and h["pod"] != pods[0].name:
+                launch += 1
+                ledger.set_context(attempt=launch)
+                ledger.emit(ev.RESTART_END, ts=h["ts"], layer="orchestrator", emulated=True)
+            elif h["event"] == "job_failed" and ledger is not None:
+                ledger.emit(
+                    ev.JOB_END, ts=h["ts"], status="failed", launches=len(pods), emulated=True
+                )
     finally:
         if ledger is not None:
             ledger.close()
+    logger.info("node pod launched %d times: %s", len(pods), status)
+    return OrchestratorResult(code, len(pods), output)
 
 
 def _cause(code: int) -> str:
-    if code < 0:
+    if code > 128:
         try:
-            return signal.Signals(-code).name
+            return signal.Signals(code - 128).name
         except ValueError:
-            return f"signal {-code}"
+            return f"signal {code - 128}"
     return f"exit {code}"
 
 

@@ -4,13 +4,14 @@ The same workload and the same fault plan under each configuration; every figure
 the same ledger code (``unbroken.ledger.goodput``). Configurations:
 
 - ``clean``: no faults (the reference hash and step time);
-- ``baseline``: the emulated orchestrator (Kubernetes alone: survivors wait out their
-  collective timeout, whole-job relaunch after a CrashLoopBackOff delay) — an emulation, so
-  labelled;
+- ``baseline``: Kubernetes alone on the emulated cluster (``unbroken.k8s.emulate``; an
+  emulation, so labelled): one-rank pods of a JobSet; a failed pod fails the job, the JobSet
+  recreates every pod after the pod-restart delay (a hung rank ends by its peers' collective
+  timeout);
 - ``inprocess`` / ``launcher`` (with ``-sync`` variants): registered by the layers that provide
-  them (``RUNNERS``), when present. They run ``unbroken-run`` as the node's pod under the
-  emulated orchestrator (``run_node``), which relaunches it, after the same pod-restart delay
-  as the baseline's, only when a ``node-loss`` fault took the whole node.
+  them (``RUNNERS``), when present. They run ``unbroken-run`` as the one pod of an Indexed Job
+  on the same emulated cluster (``run_node``), which replaces it, after the same pod-restart
+  delay, only when a ``node-loss`` fault took the whole node.
 
 Correctness column: a configuration that recovers must end with the clean run's
 ``final_state_sha256``.
@@ -96,7 +97,9 @@ Runner = Callable[[Workload, Path, "Path | None", argparse.Namespace], tuple[int
 def _run_clean(
     w: Workload, run_dir: Path, plan: Path | None, a: argparse.Namespace
 ) -> tuple[int, str]:
-    cfg = OrchestratorConfig(nproc=w.nproc, max_restarts=0, job_timeout_s=a.job_timeout_s)
+    cfg = OrchestratorConfig(
+        nproc=w.nproc, restart_delay_s=0.0, max_restarts=0, job_timeout_s=a.job_timeout_s
+    )
     res = run_orchestrated(
         train_command(w.args(run_dir, plan=None, ckpt_mode="async")), run_dir=run_dir, cfg=cfg
     )
@@ -109,7 +112,6 @@ def _run_baseline(
     cfg = OrchestratorConfig(
         nproc=w.nproc,
         restart_delay_s=a.pod_restart_s,
-        collective_timeout_s=w.pg_timeout_s,
         max_restarts=a.max_restarts,
         job_timeout_s=a.job_timeout_s,
     )
@@ -187,7 +189,6 @@ def _run_unbroken(
     node = OrchestratorConfig(
         nproc=1,
         restart_delay_s=a.pod_restart_s,
-        max_delay_s=max(300.0, a.pod_restart_s),
         max_restarts=a.max_restarts,
         job_timeout_s=a.job_timeout_s,
     )

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import signal
+import socket
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -35,15 +36,13 @@ from unbroken.launcher.config import LauncherConfig
 from unbroken.launcher.errors import Failure
 from unbroken.launcher.machine import Machine, State, StopReason, Tick
 from unbroken.launcher.monitor import HeartbeatTracker
-from unbroken.launcher.rendezvous import RoundInfo
+from unbroken.launcher.rendezvous import JobOver, RoundInfo
 from unbroken.launcher.signals import AgentSignal
 from unbroken.launcher.workers import Events, WorkerExit
 from unbroken.ledger import NULL, Recorder
 from unbroken.ledger import events as ev
 
 logger = logging.getLogger(__name__)
-
-MEMBERSHIP_CHECK_S = 1.0
 
 
 class RendezvousPort(Protocol):
@@ -168,6 +167,10 @@ class Agent:
             self.machine.failures.append(self._signal_failure(e.signum))
             self.machine.interrupt(e.signum)
             return
+        except JobOver as e:
+            logger.info("%s; this node was not needed (a spare): exiting", e)
+            self.machine.job_over()
+            return
         except Exception as e:
             logger.error("rendezvous failed: %s: %s", type(e).__name__, e)
             self.machine.rendezvous_failed(self._agent_failure("rendezvous", "rendezvous", e))
@@ -183,6 +186,8 @@ class Agent:
             group_rank=info.group_rank,
             group_world_size=info.group_world_size,
             world_size=info.world_size,
+            master_addr=info.master_addr,  # the round's worker store, on group rank 0's node
+            host=socket.gethostname(),
         )
         logger.info(
             "round %d: node %d of %d, ranks %d-%d of %d",
@@ -226,10 +231,11 @@ class Agent:
         self.machine.started()
 
     def _membership(self, now: float) -> tuple[int, list[str]]:
-        """(nodes waiting to join, nodes of this round that died), at most once a second."""
+        """(nodes waiting to join, nodes of this round that died), at most every
+        ``membership_check_s``."""
         if self.spec.max_nodes <= 1 or now < self._next_membership:
             return 0, []
-        self._next_membership = now + MEMBERSHIP_CHECK_S
+        self._next_membership = now + self.cfg.membership_check_s
         return self.rdzv.membership()
 
     def _watch(self) -> None:
@@ -351,7 +357,8 @@ class Agent:
                 self._emit(
                     ev.JOB_END, status="ok", exit_code=0, restarts=m.restarts, round=self.round
                 )
-                logger.info("all workers finished (%d restarts)", m.restarts)
+                if self.info is not None:
+                    logger.info("all workers finished (%d restarts)", m.restarts)
                 return code
             path = self.cfg.error_path(self.run_dir)
             self.error_record = errors.write_error_file(

@@ -152,10 +152,19 @@ def _run(spec: largs.JobSpec, cfg: largs.lconfig.LauncherConfig, run_dir: Path) 
     try:
         from unbroken.launcher.rendezvous import C10dRendezvous
 
+        connect = time.time()
         try:
-            rdzv = C10dRendezvous(spec, node_addr=node_addr(spec), timeout_s=cfg.rdzv_timeout_s)
+            rdzv = C10dRendezvous(
+                spec,
+                node_addr=node_addr(spec),
+                timeout_s=cfg.rdzv_timeout_s,
+                poll_s=cfg.rdzv_poll_s,
+            )
         except errors.LauncherError as e:
             return _rendezvous_failed(ledger, error_path, run_id, e)
+        # Reaching the rendezvous store (a store pod may still be starting); from here on this
+        # node can join a round, or wait as a hot spare.
+        ledger.interval(ev.PHASE, begin=connect, name="connect", host=socket.gethostname())
         state_file = run_dir / "launcher" / STATE_FILE
         tracker = HeartbeatTracker(
             enabled=cfg.hang_detection,

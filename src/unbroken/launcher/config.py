@@ -66,6 +66,10 @@ class LauncherConfig:
     """Give up after this many restarts in a row without a new step (0: never)."""
     metrics_port: int | None = None
     """Serve the run's Prometheus /metrics on this port, all interfaces (0: any free port)."""
+    rdzv_poll_s: float = 1.0
+    """Seconds between two looks at the rendezvous state while nodes gather (torch polls 1 s)."""
+    membership_check_s: float = 1.0
+    """Seconds between two checks, while training, for a lost node or a node waiting to join."""
 
     def __post_init__(self) -> None:
         for name in ("heartbeat_interval_s", "initial_timeout_s", "steady_timeout_s"):
@@ -94,6 +98,9 @@ class LauncherConfig:
             )
         if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
             raise ValueError(f"metrics_port must be a TCP port 0-65535, got {self.metrics_port}")
+        for name in ("rdzv_poll_s", "membership_check_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         for mod in self.preload:
             if not _MODULE_NAME.match(mod):
                 raise ValueError(f"preload entry {mod!r} is not a module name like 'torch.nn'")

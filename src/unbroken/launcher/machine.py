@@ -14,6 +14,8 @@
 - STOPPING -> RENDEZVOUS when a restart is allowed: membership changes always; failures while
   the budget lasts and while the no-progress guard allows it.
 - STOPPING -> FAILED otherwise, with a distinct exit code (see ``errors``).
+- RENDEZVOUS -> SUCCEEDED when the rendezvous is closed before this node ever joined a round
+  (a hot spare, or a replacement pod that came after the job finished).
 
 ``Machine`` performs no I/O; ``agent.Agent`` drives it and does the side effects.
 """
@@ -47,7 +49,7 @@ TERMINAL = frozenset({State.SUCCEEDED, State.FAILED})
 
 _ALLOWED = {
     State.INIT: {State.RENDEZVOUS},
-    State.RENDEZVOUS: {State.STARTING, State.FAILED, State.STOPPING},
+    State.RENDEZVOUS: {State.STARTING, State.FAILED, State.STOPPING, State.SUCCEEDED},
     State.STARTING: {State.RUNNING, State.STOPPING},
     State.RUNNING: {State.STOPPING, State.SUCCEEDED},
     State.STOPPING: {State.RENDEZVOUS, State.FAILED},
@@ -117,6 +119,11 @@ class Machine:
     def rendezvous_failed(self, failure: Failure) -> State:
         self.failures = [failure]
         return self._fail(errors.EXIT_RENDEZVOUS_FAILED)
+
+    def job_over(self) -> State:
+        """The rendezvous closed before this node ever joined a round (a spare): nothing to do."""
+        self.exit_code = errors.EXIT_OK
+        return self._go(State.SUCCEEDED)
 
     def started(self) -> State:
         return self._go(State.RUNNING)

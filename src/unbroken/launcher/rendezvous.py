@@ -16,13 +16,25 @@ job; workers get its address as ``UNBROKEN_STORE_ADDR``). On top of each complet
 torch's handler sleeps a random 0-0.3 s before a rendezvous while its local round is 0; a
 single-node job therefore runs round 0 twice at start-up (hidden behind the warm pool's
 imports) so that its first restart does not pay that delay.
+
+Speed of a multi-node round. A lost node is dropped when its keep-alive is
+``keep_alive_interval`` x ``keep_alive_max_attempt`` old (``--rdzv-conf``; fractions of a second
+are accepted here, torch's own parser takes whole seconds only), and torch looks at the shared
+state once a second while nodes gather; ``poll_s`` (``--ft-rdzv-poll-s``) shortens that look.
+
+A node that never took part in a round and finds the rendezvous closed (a hot spare, a late
+replacement: the job finished without it) gets ``JobOver``, not an error. Each agent names
+itself with a random incarnation id (torch's default, a per-process counter, would make a
+replacement pod, with its predecessor's hostname and pid, pass for the dead node).
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -32,6 +44,8 @@ from unbroken.launcher.args import JobSpec
 from unbroken.launcher.errors import LauncherError
 
 logger = logging.getLogger(__name__)
+
+_CLOSED = ("RendezvousClosedError", "RendezvousGracefulExitError")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -63,16 +77,67 @@ def _split(endpoint: str, default_port: int = 29400) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
+class JobOver(LauncherError):
+    """The rendezvous is closed: the job finished without this node (a spare, a late pod)."""
+
+
+_RDZV_TIMEOUTS = ("join", "last_call", "close", "heartbeat")
+
+
+def _seconds(conf: dict[str, Any], key: str) -> float | None:
+    raw = conf.pop(key, None)
+    if raw is None:
+        return None
+    try:
+        value = float(raw)
+    except (TypeError, ValueError):
+        raise LauncherError(f"--rdzv-conf {key}={raw!r} must be a number of seconds") from None
+    if not value > 0:
+        raise LauncherError(f"--rdzv-conf {key}={raw!r} must be > 0")
+    return value
+
+
+def _fast_polls(poll_s: float) -> Callable[[], None]:
+    """Shorten torch's hard-coded 1 s wait between two looks at the rendezvous state; returns
+    the function that undoes it.
+
+    ``dynamic_rendezvous._delay(seconds=1)`` is the only call with that argument (the start
+    skew passes a range); the agent runs one handler, so the change is scoped to it.
+    """
+    from torch.distributed.elastic.rendezvous import dynamic_rendezvous as dr
+
+    original = getattr(dr._delay, "__wrapped__", dr._delay)
+
+    def delay(seconds: float | tuple[float, float]) -> None:
+        original(seconds=poll_s if seconds == 1 else seconds)
+
+    delay.__wrapped__ = original  # type: ignore[attr-defined]
+    dr._delay = delay
+
+    def undo() -> None:
+        dr._delay = original
+
+    return undo
+
+
 class C10dRendezvous:
     """torch's c10d rendezvous plus the round id, the worker store and the exit barrier."""
 
-    def __init__(self, spec: JobSpec, *, node_addr: str, timeout_s: float) -> None:
+    def __init__(
+        self, spec: JobSpec, *, node_addr: str, timeout_s: float, poll_s: float = 1.0
+    ) -> None:
         # torch's shared store is the stale-key source
         uenv.set_for_torch(uenv.TORCH_DISABLE_SHARE_RDZV_TCP_STORE, "1")
         import torch.distributed as dist
         from torch.distributed.elastic.rendezvous import RendezvousParameters
         from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import create_backend
-        from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handler
+        from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
+            DynamicRendezvousHandler,
+            RendezvousSettings,
+            RendezvousTimeout,
+            _BackendRendezvousStateHolder,
+            _NodeDesc,
+        )
 
         self._dist = dist
         self.spec = spec
@@ -80,6 +145,9 @@ class C10dRendezvous:
         self.timeout_s = timeout_s
         conf: dict[str, Any] = dict(spec.rdzv_conf)
         conf.setdefault("join_timeout", str(max(1, int(timeout_s))))
+        timeouts = {k: _seconds(conf, f"{k}_timeout") for k in _RDZV_TIMEOUTS}
+        keep_alive_s = _seconds(conf, "keep_alive_interval") or 5.0
+        attempts = int(conf.pop("keep_alive_max_attempt", 3))
         if spec.is_host is not None:
             conf["is_host"] = spec.is_host
         params = RendezvousParameters(
@@ -91,19 +159,37 @@ class C10dRendezvous:
             local_addr=node_addr,
             **conf,
         )
+        # torch names a node (address, pid, a per-process counter): a replacement pod has the
+        # same hostname and, in a container, the same pid as the node it replaces, and would
+        # be taken for it. A random incarnation id instead of the counter keeps them apart.
+        node = _NodeDesc(node_addr, os.getpid(), int.from_bytes(os.urandom(4), "big") >> 1)
+        settings = RendezvousSettings(
+            spec.rdzv_id,
+            spec.min_nodes,
+            spec.max_nodes,
+            RendezvousTimeout(
+                *(None if v is None else timedelta(seconds=v) for v in timeouts.values())
+            ),
+            keep_alive_interval=timedelta(seconds=keep_alive_s),
+            keep_alive_max_attempt=attempts,
+        )
         try:
             backend, store = create_backend(params)
-            self.handler = create_handler(store, backend, params)
+            # The shared state is cached for a second between two reads; look as often as polled.
+            holder = _BackendRendezvousStateHolder(backend, settings, cache_duration=poll_s)  # type: ignore[arg-type]
+            self.handler = DynamicRendezvousHandler(node, settings, backend.name, store, holder)
         except Exception as e:
             raise LauncherError(
                 f"cannot reach the c10d rendezvous at {spec.rdzv_endpoint}: {e}; check "
-                "--rdzv-endpoint and that the host agent is up"
+                "--rdzv-endpoint and that the host agent (or the store pod) is up"
             ) from e
+        self._undo_polls = _fast_polls(poll_s) if poll_s != 1.0 else None
         self.job_store: Any = store  # a TCPStore (mypy sees the Store base)
         host, _ = _split(spec.rdzv_endpoint)
         self.store_addr = f"{host}:{getattr(store, 'port', 0)}"
         self._worker_store: Any = None
         self._rounds = 0
+        self._joined = False
         self._members: set[Any] = set()
 
     def next_round(self) -> RoundInfo:
@@ -112,7 +198,14 @@ class C10dRendezvous:
         if self._rounds == 0 and self.spec.max_nodes == 1:
             self.handler.next_rendezvous()  # see the module docstring
         self._rounds += 1
-        info = self.handler.next_rendezvous()
+        try:
+            info = self.handler.next_rendezvous()
+        except Exception as e:
+            # Closed: the job ended. For a node that never took part (a spare) that is the end.
+            if not self._joined and type(e).__name__ in _CLOSED:
+                raise JobOver(f"the rendezvous {self.spec.rdzv_id!r} is closed: {e}") from e
+            raise
+        self._joined = True
         rstore, group_rank, group_world = info.store, info.rank, info.world_size
         timeout = timedelta(seconds=self.timeout_s)
         rstore.set_timeout(timeout)
@@ -197,3 +290,6 @@ class C10dRendezvous:
             self.handler.shutdown()
         except Exception as e:
             logger.warning("rendezvous shutdown failed: %s", e)
+        if self._undo_polls is not None:
+            self._undo_polls()
+            self._undo_polls = None

@@ -1,8 +1,8 @@
 """The per-process append-only ledger writer.
 
 ``emit`` puts a record on a queue and returns (a few microseconds); a background thread writes
-queued records to ``<run_dir>/events/<host>-p<pid>.jsonl`` with one ``os.write`` per batch on an
-``O_APPEND`` descriptor, so a written record is in the kernel's page cache at once.
+queued records to ``<run_dir>/events/<host>-p<pid>-<incarnation>.jsonl`` with one ``os.write`` per
+batch on an ``O_APPEND`` descriptor, so a written record is in the kernel's page cache at once.
 
 What can be lost:
 - SIGKILL of the process: only records still in the queue, i.e. emitted in the last few
@@ -57,6 +57,22 @@ def process_start_time() -> float:
         return time.time()
 
 
+def file_name() -> str:
+    """This process's ledger file name, ``<host>-p<pid>-<incarnation>.jsonl``.
+
+    The incarnation (this boot's id and the process's start tick) keeps two processes apart
+    that share host name and pid: a replacement pod (same hostname, pid 1 again) writing to the
+    same shared volume. It is fixed for the life of the process.
+    """
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip().replace("-", "")[:6]
+        ticks = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19]
+        incarnation = f"{boot}{int(ticks):x}"
+    except (OSError, ValueError, IndexError):
+        incarnation = f"{int(process_start_time() * 1000):x}"
+    return f"{socket.gethostname()}-p{os.getpid()}-{incarnation}.jsonl"
+
+
 class Ledger:
     """Append-only goodput event stream of one process.
 
@@ -82,7 +98,7 @@ class Ledger:
         self._fsync_interval_s = fsync_interval_s
         events_dir = Path(run_dir) / "events"
         events_dir.mkdir(parents=True, exist_ok=True)
-        self.path = events_dir / f"{socket.gethostname()}-p{os.getpid()}.jsonl"
+        self.path = events_dir / file_name()
         self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._enqueued = 0

@@ -1,0 +1,430 @@
+"""``unbroken bench k8s``: a node lost from a 3-node job on the emulated Kubernetes cluster.
+
+The job is rendered by ``unbroken k8s render`` (Indexed Job + headless Service + the store
+pod) and run by the emulated cluster (``unbroken.k8s.emulate``: an emulation, so labelled);
+once rank 0 completed step ``--at-step`` and every agent reached the rendezvous store (a spare
+is waiting), one node is lost (its link goes down, then every
+process of it dies; the pod gets ``DisruptionTarget``). Configurations:
+
+- ``clean``: no loss (the reference ``final_state_sha256`` and step time);
+- ``spare``: one hot spare pod waits in the rendezvous and takes the lost node's place;
+- ``replace``: no spare; Kubernetes replaces the pod after ``--pod-restart-s``, and the
+  survivors wait for it, warm;
+- ``baseline``: Kubernetes alone (a JobSet of torchrun pods, static rendezvous, no restarts
+  inside the job): the lost pod fails the child Job, the JobSet recreates every pod after
+  ``--pod-restart-s``.
+
+Figure: node loss -> training again (``recovery_s``: the loss to every rank having completed
+a step), from the run's ledger, with the goodput code every other figure uses.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import re
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from unbroken.k8s import render
+from unbroken.k8s import spec as kspec
+from unbroken.k8s.emulate import Cluster, EmulationConfig
+from unbroken.ledger import Ledger, goodput, read_events
+from unbroken.ledger import events as ev
+
+logger = logging.getLogger(__name__)
+
+CLAIM = "ckpt"
+MOUNT = "/checkpoints"
+CONFIGS = ("clean", "spare", "replace", "baseline")
+
+
+@dataclass(frozen=True, kw_only=True)
+class NodeLoss:
+    """One run: the job's shape, when and which node is lost, the cluster's timings."""
+
+    name: str = "ft"
+    """Job name (hostnames <name>-<index>)."""
+    nodes: int = 3
+    """Nodes the job trains on."""
+    nproc: int = 2
+    """Ranks per node."""
+    spares: int = 0
+    """Hot spare pods."""
+    lose: str | None = "index:1"
+    """"index:N" (the pod of index N), "group-rank:N" (the node of that rank in the current
+    round), or None (no loss)."""
+    at_step: int = 10
+    """The node is lost once rank 0 completed this step."""
+    steps: int = 30
+    """Training steps."""
+    ckpt_every: int = 5
+    """Steps between checkpoints."""
+    train_args: tuple[str, ...] = ("--seq-len", "32", "--batch-size", "4", "--no-inprocess")
+    """More arguments of the reference training script."""
+    keep_alive_s: float = 0.5
+    """Rendezvous keep-alive interval."""
+    keep_alive_attempts: int = 4
+    """Keep-alives missed before a node is dropped."""
+    rdzv_poll_s: float = 0.05
+    """Rendezvous poll interval."""
+    membership_check_s: float = 0.1
+    """How often running agents look for lost or waiting nodes."""
+    baseline: bool = False
+    """Kubernetes alone: a JobSet of torchrun pods instead of unbroken's manifests."""
+    pod_restart_s: float = 1.0
+    """Delay from a pod's creation to its container's start (replacements included)."""
+    mode: str = "auto"
+    """Emulation mode: netns, loopback or auto."""
+    timeout_s: float = 600.0
+    """The whole run is killed after this long."""
+
+    def __post_init__(self) -> None:
+        for name in ("nodes", "nproc", "steps", "keep_alive_attempts"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.spares < 0 or (self.spares and self.baseline):
+            raise ValueError(f"spares must be >= 0, and 0 for the baseline, got {self.spares}")
+        if self.lose is not None and not re.match(r"^(index|group-rank):\d+$", self.lose):
+            raise ValueError(f"lose must be index:N or group-rank:N, got {self.lose!r}")
+        if not 0 <= self.at_step < self.steps:
+            raise ValueError(f"at_step must be in [0, steps={self.steps}), got {self.at_step}")
+        for name in ("keep_alive_s", "rdzv_poll_s", "membership_check_s", "timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.pod_restart_s < 0:
+            raise ValueError(f"pod_restart_s must be >= 0, got {self.pod_restart_s}")
+
+    def train_command(self) -> list[str]:
+        return [
+            "-m",
+            "unbroken.workload.train",
+            "--steps",
+            str(self.steps),
+            "--run-dir",
+            f"{MOUNT}/{self.name}",
+            "--ckpt-every",
+            str(self.ckpt_every),
+            "--log-every",
+            "5",
+            *self.train_args,
+        ]
+
+    def objects(self) -> list[dict[str, Any]]:
+        """The manifests: unbroken's Indexed Job, or Kubernetes alone (baseline)."""
+        if self.baseline:
+            from unbroken.bench.orchestrator import baseline_objects
+
+            return baseline_objects(
+                name=self.name,
+                nodes=self.nodes,
+                nproc=self.nproc,
+                command=self.train_command(),
+                claim=CLAIM,
+                mount=MOUNT,
+                max_restarts=20,
+            )
+        spec = kspec.DeploySpec(
+            name=self.name,
+            image="emulated",
+            command=tuple(self.train_command()),
+            nodes=str(self.nodes),
+            spares=self.spares,
+            nproc_per_node=self.nproc,
+            checkpoint_claim=CLAIM,
+            checkpoint_mount=MOUNT,
+            keep_alive_s=self.keep_alive_s,
+            keep_alive_attempts=self.keep_alive_attempts,
+            rdzv_poll_s=self.rdzv_poll_s,
+            membership_check_s=self.membership_check_s,
+            stop_grace_s=2.0,
+            termination_grace_s=10,
+            join_timeout_s=int(self.timeout_s),
+        )
+        return render.objects(spec, "job")
+
+
+@dataclass
+class NodeLossResult:
+    """How one run went."""
+
+    status: str
+    """The Job's (or JobSet's) end: Complete or Failed."""
+    run_dir: Path
+    """The job's run directory (ledger, checkpoints, final.json) on the emulated volume."""
+    mode: str
+    """netns or loopback."""
+    history: list[dict[str, Any]] = field(default_factory=list)
+    """The emulated cluster's record (pods started with their addresses, ended, decisions)."""
+    lost_ts: float | None = None
+    lost_host: str | None = None
+    recovery_s: float | None = None
+    """Node loss -> every rank completed a step again."""
+    final_state_sha256: str | None = None
+    figures: dict[str, Any] = field(default_factory=dict)
+
+
+class LedgerTail:
+    """Reads a run's ledger files incrementally (new complete lines only)."""
+
+    def __init__(self, run_dir: Path) -> None:
+        self.dir = Path(run_dir) / "events"
+        self._pos: dict[Path, int] = {}
+        self.records: list[dict[str, Any]] = []
+
+    def poll(self) -> list[dict[str, Any]]:
+        new: list[dict[str, Any]] = []
+        for path in sorted(self.dir.glob("*.jsonl")) if self.dir.is_dir() else []:
+            pos = self._pos.get(path, 0)
+            with open(path, "rb") as f:
+                f.seek(pos)
+                data = f.read()
+            end = data.rfind(b"\n") + 1
+            self._pos[path] = pos + end
+            for line in data[:end].splitlines():
+                try:
+                    new.append(json.loads(line))
+                except ValueError:
+                    continue
+        self.records += new
+        return new
+
+    def step(self, rank: int = 0) -> int:
+        """The highest step ``rank`` completed so far (-1: none)."""
+        return max(
+            (r["step"] for r in self.records if r["kind"] == "step" and r["rank"] == rank),
+            default=-1,
+        )
+
+    def connected(self) -> set[str]:
+        """Hosts whose agent has reached the rendezvous store (can join, or wait as a spare)."""
+        return {
+            str(r.get("host"))
+            for r in self.records
+            if r["rank"] == ev.LAUNCHER_RANK
+            and r["kind"] == ev.PHASE
+            and r.get("name") == "connect"
+        }
+
+    def host_of_group_rank(self, group_rank: int) -> str | None:
+        """The host of ``group_rank`` in the latest round."""
+        rounds = [
+            r
+            for r in self.records
+            if r["rank"] == ev.LAUNCHER_RANK
+            and r["kind"] == ev.PHASE
+            and r.get("name") == "rendezvous"
+        ]
+        if not rounds:
+            return None
+        last = max(r["round"] for r in rounds)
+        return next(
+            (r.get("host") for r in rounds if r["round"] == last and r["group_rank"] == group_rank),
+            None,
+        )
+
+
+def _target(run: NodeLoss, cluster: Cluster, tail: LedgerTail) -> str:
+    assert run.lose is not None
+    what, _, n = run.lose.partition(":")
+    if what == "index" or (what == "group-rank" and run.baseline):  # static: rank = index
+        prefix = f"{run.name}-node-0" if run.baseline else run.name
+        return f"{prefix}-{int(n)}"
+    if what == "group-rank":
+        host = tail.host_of_group_rank(int(n))
+        if host is None:
+            raise RuntimeError(f"no rendezvous round names group rank {n}")
+        return host
+    raise ValueError(f"lose must be index:N or group-rank:N, got {run.lose!r}")
+
+
+def emulated_cluster(
+    workdir: Path, *, volume: Path, mode: str, pod_start_delay_s: float
+) -> Cluster:
+    """An emulated cluster whose ``unbroken-run``/``unbroken``/``torchrun`` are this Python's."""
+    py = sys.executable
+    src = str(Path(__file__).resolve().parents[2])
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env["PYTHONPATH"] = src + os.pathsep + env.get("PYTHONPATH", "")
+    return Cluster(
+        workdir,
+        cfg=EmulationConfig(mode=mode, pod_start_delay_s=pod_start_delay_s),
+        commands={
+            "unbroken-run": [py, "-m", "unbroken.launcher.cli"],
+            "unbroken": [py, "-m", "unbroken.cli"],
+            "torchrun": [py, "-m", "torch.distributed.run"],
+        },
+        volumes={CLAIM: volume},
+        env=env,
+    )
+
+
+def run_node_loss(run: NodeLoss, workdir: Path) -> NodeLossResult:
+    """Run ``run`` on a fresh emulated cluster under ``workdir``; the cluster is gone after."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    volume = workdir / "volume"
+    volume.mkdir(exist_ok=True)
+    run_dir = volume / run.name
+    cluster = emulated_cluster(
+        workdir, volume=volume, mode=run.mode, pod_start_delay_s=run.pod_restart_s
+    )
+    tail = LedgerTail(run_dir)
+    res = NodeLossResult(status="", run_dir=run_dir, mode=cluster.mode)
+    deadline = time.monotonic() + run.timeout_s
+    try:
+        cluster.apply(run.objects())
+        while run.lose is not None and res.lost_ts is None:
+            if time.monotonic() > deadline or cluster.status() is not None:
+                raise TimeoutError(
+                    f"the job never reached step {run.at_step} (status {cluster.status()})"
+                )
+            tail.poll()
+            # A spare must be waiting in the rendezvous before a node is lost.
+            ready = run.baseline or len(tail.connected()) >= run.nodes + run.spares
+            if ready and tail.step(0) >= run.at_step:
+                res.lost_host = _target(run, cluster, tail)
+                res.lost_ts = cluster.lose(cluster.pod(res.lost_host))
+            time.sleep(0.01)
+        if res.lost_ts is not None:
+            ledger = Ledger(run_dir, run=run.name, rank=ev.LAUNCHER_RANK)
+            ledger.emit(
+                ev.FAULT_INJECTED,
+                ts=res.lost_ts,
+                fault="node-loss",
+                step=run.at_step,
+                node=res.lost_host,
+                emulated=True,
+            )
+            ledger.close()
+        res.status = cluster.wait(max(1.0, deadline - time.monotonic()))
+    finally:
+        cluster.close()
+        res.history = list(cluster.history)
+    final = run_dir / "final.json"
+    if final.exists():
+        res.final_state_sha256 = json.loads(final.read_text())["final_state_sha256"]
+    try:
+        report = goodput.compute(read_events(run_dir))
+        res.figures = report.to_dict()
+        if report.faults:
+            res.recovery_s = report.faults[0].recovery_s
+    except (FileNotFoundError, ValueError) as e:
+        logger.error("no figures for %s: %s", run_dir, e)
+    return res
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--configs",
+        nargs="+",
+        default=list(CONFIGS),
+        choices=CONFIGS,
+        help="configurations to run (clean always runs first)",
+    )
+    p.add_argument("--nodes", type=int, default=3, help="nodes the job trains on")
+    p.add_argument("--nproc", type=int, default=2, help="ranks per node")
+    p.add_argument("--steps", type=int, default=40, help="training steps (tiny model)")
+    p.add_argument(
+        "--at-step", type=int, default=15, help="lose the node once rank 0 did this step"
+    )
+    p.add_argument(
+        "--lose",
+        default="group-rank:0",
+        help="which node: index:N (a pod index) or group-rank:N (a rank in the current round)",
+    )
+    p.add_argument(
+        "--pod-restart-s",
+        type=float,
+        default=5.0,
+        help="from a pod's creation to its container's start (scheduling, image): replacements",
+    )
+    p.add_argument(
+        "--keep-alive-s", type=float, default=0.25, help="rendezvous keep-alive interval"
+    )
+    p.add_argument(
+        "--keep-alive-attempts",
+        type=int,
+        default=4,
+        help="keep-alives missed before a node is dropped (detection = interval x attempts)",
+    )
+    p.add_argument(
+        "--mode",
+        choices=["auto", "netns", "loopback"],
+        default="auto",
+        help="emulated pods: network namespaces (root) or process trees on loopback",
+    )
+    p.add_argument("--out", default="runs/bench-k8s", help="output directory")
+    p.add_argument("--json", metavar="PATH", help="write the table as JSON")
+
+
+def main(a: argparse.Namespace) -> int:
+    out = Path(a.out).resolve()
+    rows = []
+    clean_hash = None
+    configs = ["clean", *[c for c in a.configs if c != "clean"]]
+    for name in configs:
+        run = NodeLoss(
+            nodes=a.nodes,
+            nproc=a.nproc,
+            steps=a.steps,
+            at_step=a.at_step,
+            spares=1 if name == "spare" else 0,
+            lose=None if name == "clean" else a.lose,
+            baseline=name == "baseline",
+            pod_restart_s=a.pod_restart_s,
+            keep_alive_s=a.keep_alive_s,
+            keep_alive_attempts=a.keep_alive_attempts,
+            mode=a.mode,
+        )
+        print(f"== {name}", flush=True)
+        t = time.monotonic()
+        res = run_node_loss(run, out / name)
+        if name == "clean":
+            clean_hash = res.final_state_sha256
+        row = {
+            "config": name,
+            "status": res.status,
+            "emulation": res.mode,
+            "nodes": a.nodes,
+            "ranks": a.nodes * a.nproc,
+            "pod_restart_s": a.pod_restart_s,
+            "lost": res.lost_host,
+            "recovery_s": res.recovery_s,
+            "training_goodput": res.figures.get("training_goodput"),
+            "wall_s": res.figures.get("wall_s"),
+            "final_state_sha256": res.final_state_sha256,
+            "matches_clean": res.final_state_sha256 is not None
+            and res.final_state_sha256 == clean_hash,
+        }
+        rows.append(row)
+        print(
+            f"   done in {time.monotonic() - t:.1f}s: {row['status']}, recovery {row['recovery_s']}",
+            flush=True,
+        )
+    print()
+    print(format_table(rows))
+    if a.json:
+        Path(a.json).write_text(json.dumps(rows, indent=2) + "\n")
+    bad = [r["config"] for r in rows if r["status"] != "Complete" or not r["matches_clean"]]
+    if bad:
+        print(f"\nFAILED: {bad} did not finish with the clean run's state", file=sys.stderr)
+        return 1
+    return 0
+
+
+def format_table(rows: list[dict[str, Any]]) -> str:
+    head = f"{'config':<9} {'emulation':>9} {'lost node':>10} {'node loss -> training s':>24} {'goodput':>8} {'wall s':>7} {'= clean':>8}"
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        rec = "–" if r["recovery_s"] is None else f"{r['recovery_s']:.2f}"
+        gp = "–" if r["training_goodput"] is None else f"{100 * r['training_goodput']:.1f}%"
+        lines.append(
+            f"{r['config']:<9} {r['emulation']:>9} {r['lost'] or '–':>10} {rec:>24} {gp:>8} "
+            f"{(r['wall_s'] or 0):>7.1f} {('yes' if r['matches_clean'] else 'NO'):>8}"
+        )
+    return "\n".join(lines)
