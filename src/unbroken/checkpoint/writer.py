@@ -178,6 +178,8 @@ class Writer:
             return
         except Exception as e:
             logger.exception("writer of rank %d failed to persist step %d", self.rank, step)
+            with contextlib.suppress(OSError):  # free what it took (a full disk), then say so
+                (part / layout.data_file(self.rank)).unlink(missing_ok=True)
             with contextlib.suppress(OSError):
                 layout.write_marker(part / layout.fail_marker(self.rank), {"error": repr(e)})
             self.reply({"type": "failed", "step": step, "error": f"{type(e).__name__}: {e}"})
@@ -293,6 +295,7 @@ class Writer:
             "assigned": msg["assigned"],
             "planner_data": msg["planner_data"],
             "files": {name: layout.file_entry(stream.pos, stream.crc)},
+            "run": msg.get("run"),
         }
         layout.write_durable(part / layout.done_record(self.rank), pickle.dumps(record))
         return {

@@ -1,0 +1,192 @@
+"""One owner per directory: a run directory or a checkpoint directory belongs to one job.
+
+A job is named by its identity (its run id: ``TORCHELASTIC_RUN_ID``, ``UNBROKEN_RUN_ID``, or
+one derived for a job without one; see ``unbroken.workload.train``). Every process of that
+job (its ranks, their checkpoint writers, on every node) may share the directory; a process of
+another job is refused with ``DirectoryOwned``, whose message names the owner, and nothing in
+the directory is touched.
+
+Files in the directory:
+- ``.owner.json``: the owner record (job, host, pid, since, the jobs it took over from),
+  written atomically (``durable``). It outlives the job: a later job sees whose it was.
+- ``.owner.live``: held with a shared ``flock`` by every process of the owning job while it
+  uses the directory (``Claim.release`` or the process's death drops it, so a crashed job
+  holds nothing). Nobody holding it means the owner is gone.
+- ``.owner.lock``: held exclusively for the few microseconds of checking and writing the record.
+
+A crashed job does not hold a directory forever: its locks die with its processes. Whether a
+later job of another identity may then take the directory over is the caller's choice
+(``takeover``): a checkpoint directory may be (its foreign checkpoints are refused at restore
+unless allowed), a run directory only to continue that run on purpose (``--resume``).
+
+Across nodes the locks are only as good as the shared filesystem's ``flock`` (NFSv4 and Lustre
+honour it across clients; an NFS client that dies releases its locks when its lease expires,
+90 s by default). Imports of ours: none.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import logging
+import os
+import socket
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from unbroken.ledger.durable import write_atomic
+
+logger = logging.getLogger(__name__)
+
+RECORD = ".owner.json"
+LIVE = ".owner.live"
+LOCK = ".owner.lock"
+_LOCK_TIMEOUT_S = 30.0
+
+
+@dataclass(frozen=True, kw_only=True)
+class OwnerRecord:
+    """Who owns a directory."""
+
+    job: str
+    """The owning job's identity (its run id)."""
+    host: str
+    """Host of the process that first claimed it for this job."""
+    pid: int
+    """That process's pid."""
+    since: float
+    """Epoch seconds of that first claim."""
+    previous: list[str] = field(default_factory=list)
+    """Jobs that owned it before, oldest first (a takeover or a resume)."""
+
+    def describe(self) -> str:
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(self.since))
+        return f"job {self.job!r} (pid {self.pid} on {self.host}, since {when})"
+
+    @classmethod
+    def read(cls, directory: Path) -> OwnerRecord | None:
+        """The record of ``directory``, or None when it has none (or an unreadable one)."""
+        try:
+            raw = json.loads((directory / RECORD).read_text())
+            return cls(
+                job=str(raw["job"]),
+                host=str(raw["host"]),
+                pid=int(raw["pid"]),
+                since=float(raw["since"]),
+                previous=[str(p) for p in raw.get("previous", [])],
+            )
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            logger.warning("ignoring the unreadable owner record of %s: %s", directory, e)
+            return None
+
+
+class DirectoryOwned(ValueError):
+    """A directory belongs to another job (running, or one not continued on purpose)."""
+
+    def __init__(self, message: str, *, owner: OwnerRecord, running: bool) -> None:
+        super().__init__(message)
+        self.owner = owner
+        self.running = running
+
+
+class Claim:
+    """This process's share of a directory's ownership; ``release()`` (idempotent) drops it."""
+
+    def __init__(self, directory: Path, record: OwnerRecord, fd: int) -> None:
+        self.directory = directory
+        self.record = record
+        self._fd: int | None = fd
+
+    def release(self) -> None:
+        if self._fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(self._fd)
+            self._fd = None
+
+    @property
+    def held(self) -> bool:
+        return self._fd is not None
+
+
+def _lock(path: Path) -> int:
+    """An exclusive flock on ``path`` (created), waited for up to _LOCK_TIMEOUT_S."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    deadline = time.monotonic() + _LOCK_TIMEOUT_S
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return fd
+        except BlockingIOError:
+            if time.monotonic() > deadline:
+                os.close(fd)
+                raise TimeoutError(
+                    f"{path} stayed locked for {_LOCK_TIMEOUT_S:.0f} s; a process claiming the "
+                    "directory is stuck (stopped?): end it, or remove the file if none runs"
+                ) from None
+            time.sleep(0.005)
+
+
+def _nobody_holds(live_fd: int) -> bool:
+    try:
+        fcntl.flock(live_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    return True
+
+
+def claim(directory: str | os.PathLike[str], *, job: str, takeover: bool, hint: str) -> Claim:
+    """Claim ``directory`` (created, private to the user) for ``job``.
+
+    Shared with the other processes of ``job``. Raises ``DirectoryOwned`` when a process of
+    another job holds it, or when another job that no longer runs owned it and ``takeover``
+    is False; ``hint`` (what to do instead, e.g. "pass --resume to continue it") ends the
+    message. Nothing in the directory is changed by a refusal."""
+    if not job:
+        raise ValueError("claim() needs a non-empty job identity")
+    root = Path(directory)
+    root.mkdir(parents=True, exist_ok=True, mode=0o700)
+    lock_fd = _lock(root / LOCK)
+    live_fd = os.open(root / LIVE, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        owner = OwnerRecord.read(root)
+        if owner is not None and owner.job != job:
+            if not _nobody_holds(live_fd):
+                raise DirectoryOwned(
+                    f"{root} is in use by {owner.describe()}; refusing to use it for job "
+                    f"{job!r}, and nothing of it was touched. Wait for that job to end or stop "
+                    f"it; {hint}",
+                    owner=owner,
+                    running=True,
+                )
+            if not takeover:
+                raise DirectoryOwned(
+                    f"{root} belongs to {owner.describe()}, which is no longer running; "
+                    f"refusing to use it for job {job!r} by accident: {hint}",
+                    owner=owner,
+                    running=False,
+                )
+            logger.warning("%s: job %r takes over from %s", root, job, owner.describe())
+            owner = _write(root, job=job, previous=[*owner.previous, owner.job])
+        elif owner is None:
+            owner = _write(root, job=job, previous=[])
+        fcntl.flock(live_fd, fcntl.LOCK_SH)  # converts a held LOCK_EX; we hold the lock file
+        return Claim(root, owner, live_fd)
+    except BaseException:
+        os.close(live_fd)
+        raise
+    finally:
+        os.close(lock_fd)
+
+
+def _write(root: Path, *, job: str, previous: list[str]) -> OwnerRecord:
+    record = OwnerRecord(
+        job=job, host=socket.gethostname(), pid=os.getpid(), since=time.time(), previous=previous
+    )
+    data: dict[str, Any] = asdict(record)
+    write_atomic(root / RECORD, json.dumps(data, indent=1), mode=0o600)
+    return record
