@@ -113,9 +113,18 @@ class Claim:
         return self._fd is not None
 
 
+def _open(path: Path) -> int:
+    """A read-only descriptor of ``path`` (created if missing): enough for ``flock``, and it
+    does not keep the filesystem from being remounted read-only."""
+    try:
+        return os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        return os.open(path, os.O_RDONLY | os.O_CREAT, 0o600)
+
+
 def _lock(path: Path) -> int:
     """An exclusive flock on ``path`` (created), waited for up to _LOCK_TIMEOUT_S."""
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    fd = _open(path)
     deadline = time.monotonic() + _LOCK_TIMEOUT_S
     while True:
         try:
@@ -151,7 +160,7 @@ def claim(directory: str | os.PathLike[str], *, job: str, takeover: bool, hint: 
     root = Path(directory)
     root.mkdir(parents=True, exist_ok=True, mode=0o700)
     lock_fd = _lock(root / LOCK)
-    live_fd = os.open(root / LIVE, os.O_RDWR | os.O_CREAT, 0o600)
+    live_fd = _open(root / LIVE)
     try:
         owner = OwnerRecord.read(root)
         if owner is not None and owner.job != job:
