@@ -83,12 +83,8 @@ def test_a_full_disk_fails_one_save_and_keeps_the_last_checkpoint(
             w.fill_(1.0)
             ck.save(0, {"w": w})
             ck.wait()
-            _fill(mnt / "filler")
-            w.fill_(2.0)
-            assert ck.save(1, {"w": w})  # async: staged, then the writer hits ENOSPC
-            with pytest.raises(CheckpointError, match="No space left on device"):
-                ck.wait()
-            assert layout.verify(layout.step_dir(root, 0)) is None
+            filler = mnt / "filler"
+            _fill(filler)
             # Files that must survive a crash: a failed rewrite keeps the old one, no debris.
             with pytest.raises(OSError, match="No space left"):
                 errors.write_error_file(
@@ -97,7 +93,14 @@ def test_a_full_disk_fails_one_save_and_keeps_the_last_checkpoint(
             assert error_file.read_bytes() == old_error
             assert [n for n in os.listdir(mnt) if "tmp" in n] == []
             assert _restored(root)[0] == 0  # restorable while the disk is full
-            (mnt / "filler").unlink()
+            os.truncate(filler, filler.stat().st_size - MiB // 2)  # room for half a save
+            w.fill_(2.0)
+            assert ck.save(1, {"w": w})  # async: staged, then the writer hits ENOSPC
+            with pytest.raises(CheckpointError, match="No space left on device"):
+                ck.wait()
+            assert layout.verify(layout.step_dir(root, 0)) is None
+            # Less room than a save unless the failed one gave back what it had written.
+            os.truncate(filler, filler.stat().st_size - 3 * MiB // 4)
             w.fill_(3.0)
             ck.save(2, {"w": w})  # training went on; the next save retries, and commits
             ck.wait()
