@@ -167,4 +167,10 @@ def publish(
         layout.committed_bytes(step=step, manifest_crc32=manifest_crc),
     )
     layout.fsync_dir(root)
-    return layout.retain(root, keep=keep, newest=step)
+    try:
+        return layout.retain(root, keep=keep, newest=step)
+    except OSError as e:  # step-N is committed: a failed clean-up is no failed save
+        logger.warning(
+            "retention after committing step %d failed (retried next commit): %s", step, e
+        )
+        return []

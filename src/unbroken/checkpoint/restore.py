@@ -175,8 +175,11 @@ def restore(
             logger.warning("checkpoint %s rejected: %s", ckpt, why)
             result.rejected.append((step, why))
             if not _distributed() or dist.get_rank() == 0:
-                moved = layout.quarantine(ckpt)
-                logger.warning("moved the rejected checkpoint to %s", moved)
+                try:
+                    moved = layout.quarantine(ckpt)
+                    logger.warning("moved the rejected checkpoint to %s", moved)
+                except OSError as e:  # a read-only disk: leave it, try the older ones
+                    logger.warning("could not move the rejected checkpoint %s aside: %s", ckpt, e)
             continue
         _check_owner(ckpt, run=run, allow_foreign=allow_foreign)
         reader = FileSystemReader(ckpt)

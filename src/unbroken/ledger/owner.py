@@ -27,6 +27,7 @@ honour it across clients; an NFS client that dies releases its locks when its le
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import json
 import logging
@@ -45,6 +46,8 @@ RECORD = ".owner.json"
 LIVE = ".owner.live"
 LOCK = ".owner.lock"
 _LOCK_TIMEOUT_S = 30.0
+_NO_LOCKS = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL)
+"""flock's errors on a filesystem without locks (some FUSE and old NFS mounts)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -130,7 +133,18 @@ def _lock(path: Path) -> int:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             return fd
-        except BlockingIOError:
+        except OSError as e:
+            if e.errno in _NO_LOCKS:
+                logger.warning(
+                    "%s: this filesystem has no flock (%s); ownership is recorded, "
+                    "and enforced only against live processes of this host",
+                    path,
+                    e,
+                )
+                return fd
+            if not isinstance(e, BlockingIOError):
+                os.close(fd)
+                raise
             if time.monotonic() > deadline:
                 os.close(fd)
                 raise TimeoutError(
@@ -140,11 +154,25 @@ def _lock(path: Path) -> int:
             time.sleep(0.005)
 
 
-def _nobody_holds(live_fd: int) -> bool:
+def _nobody_holds(live_fd: int, owner: OwnerRecord) -> bool:
     try:
         fcntl.flock(live_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         return False
+    except OSError as e:
+        if e.errno not in _NO_LOCKS:
+            raise
+        return owner.host != socket.gethostname() or not _alive(owner.pid)
+    return True
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
     return True
 
 
@@ -164,7 +192,7 @@ def claim(directory: str | os.PathLike[str], *, job: str, takeover: bool, hint: 
     try:
         owner = OwnerRecord.read(root)
         if owner is not None and owner.job != job:
-            if not _nobody_holds(live_fd):
+            if not _nobody_holds(live_fd, owner):
                 raise DirectoryOwned(
                     f"{root} is in use by {owner.describe()}; refusing to use it for job "
                     f"{job!r}, and nothing of it was touched. Wait for that job to end or stop "
@@ -183,7 +211,11 @@ def claim(directory: str | os.PathLike[str], *, job: str, takeover: bool, hint: 
             owner = _write(root, job=job, previous=[*owner.previous, owner.job])
         elif owner is None:
             owner = _write(root, job=job, previous=[])
-        fcntl.flock(live_fd, fcntl.LOCK_SH)  # converts a held LOCK_EX; we hold the lock file
+        try:  # converts a held LOCK_EX; we hold the lock file
+            fcntl.flock(live_fd, fcntl.LOCK_SH)
+        except OSError as e:
+            if e.errno not in _NO_LOCKS:
+                raise
         return Claim(root, owner, live_fd)
     except BaseException:
         os.close(live_fd)
