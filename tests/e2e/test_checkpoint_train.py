@@ -21,7 +21,10 @@ def test_a_run_stopped_after_a_save_resumes_to_the_same_hash(tmp_path: Path) -> 
     ckpt = [*plain, "--ckpt-every", "3", "--ckpt-mode", "sync"]
     first = run(train_cmd(tmp_path / "run", nproc=None, steps=7, extra=ckpt), timeout_s=120)
     assert first.returncode == 0, first.output[-3000:]
-    second = run(train_cmd(tmp_path / "run", nproc=None, steps=12, extra=ckpt), timeout_s=120)
+    again = run(train_cmd(tmp_path / "run", nproc=None, steps=12, extra=ckpt), timeout_s=120)
+    assert again.returncode == 2 and "pass --resume to continue that run" in again.output
+    resume = [*ckpt, "--resume"]  # another job continues the run on purpose
+    second = run(train_cmd(tmp_path / "run", nproc=None, steps=12, extra=resume), timeout_s=120)
     assert second.returncode == 0, second.output[-3000:]
     assert second.hashes() == ref.hashes()
     assert final(tmp_path / "run")["losses"] == final(tmp_path / "ref")["losses"]
