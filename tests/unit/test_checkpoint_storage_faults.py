@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import errno
 import os
+import shutil
 import subprocess
 import time
 from collections.abc import Callable, Iterator
@@ -135,14 +136,17 @@ def test_storage_turning_read_only_during_a_save(
             while not paused_marker(root, "done").exists():
                 assert time.monotonic() < deadline, "the writer never reached its pause"
                 time.sleep(0.01)
+            published = mnt / "published"  # a copy, never claimed before the disk turned read-only
+            shutil.copytree(layout.step_dir(root, 0), published / "step-0")
             subprocess.run(["mount", "-o", "remount,ro", str(mnt)], check=True)
             go.touch()
             with pytest.raises(CheckpointError, match="Read-only file system"):
                 ck.wait()
             assert layout.committed_steps(root) == [0]
             assert layout.verify(layout.step_dir(root, 0)) is None
-            step, got = _restored(root)  # restorable from the read-only disk
-            assert step == 0 and torch.equal(got, torch.ones_like(got))
+            for where in (root, published):  # restorable from the read-only disk
+                step, got = _restored(where)
+                assert step == 0 and torch.equal(got, torch.ones_like(got))
             subprocess.run(["mount", "-o", "remount,rw", str(mnt)], check=True)
             w.fill_(3.0)
             ck.save(2, {"w": w})

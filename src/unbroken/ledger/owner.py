@@ -48,6 +48,7 @@ LOCK = ".owner.lock"
 _LOCK_TIMEOUT_S = 30.0
 _NO_LOCKS = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL)
 """flock's errors on a filesystem without locks (some FUSE and old NFS mounts)."""
+_READ_ONLY = (errno.EROFS, errno.EACCES, errno.EPERM)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -66,7 +67,7 @@ class OwnerRecord:
     """Jobs that owned it before, oldest first (a takeover or a resume)."""
 
     def describe(self) -> str:
-        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(self.since))
+        when = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(self.since))
         return f"job {self.job!r} (pid {self.pid} on {self.host}, since {when})"
 
     @classmethod
@@ -100,7 +101,7 @@ class DirectoryOwned(ValueError):
 class Claim:
     """This process's share of a directory's ownership; ``release()`` (idempotent) drops it."""
 
-    def __init__(self, directory: Path, record: OwnerRecord, fd: int) -> None:
+    def __init__(self, directory: Path, record: OwnerRecord, fd: int | None) -> None:
         self.directory = directory
         self.record = record
         self._fd: int | None = fd
@@ -187,8 +188,19 @@ def claim(directory: str | os.PathLike[str], *, job: str, takeover: bool, hint: 
         raise ValueError("claim() needs a non-empty job identity")
     root = Path(directory)
     root.mkdir(parents=True, exist_ok=True, mode=0o700)
-    lock_fd = _lock(root / LOCK)
-    live_fd = _open(root / LIVE)
+    lock_fd = None
+    try:
+        lock_fd = _lock(root / LOCK)
+        live_fd = _open(root / LIVE)
+    except OSError as e:
+        if lock_fd is not None:
+            os.close(lock_fd)
+        if e.errno not in _READ_ONLY:
+            raise
+        # Nobody can write or delete here (a read-only mount, a published checkpoint): there
+        # is nothing to protect, and reading must go on.
+        logger.warning("%s is not writable (%s); using it without claiming it", root, e)
+        return Claim(root, OwnerRecord(job=job, host="", pid=0, since=time.time()), None)
     try:
         owner = OwnerRecord.read(root)
         if owner is not None and owner.job != job:
