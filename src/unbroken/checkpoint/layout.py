@@ -154,13 +154,17 @@ def _own_entries(root: Path) -> list[os.DirEntry[str]]:
     out = []
     for entry in os.scandir(root):
         if entry.is_symlink():
-            if _STEP_RE.match(entry.name) or entry.name.startswith("step-"):
+            if entry.name.startswith("step-") and entry.path not in _warned_links:
+                _warned_links.add(entry.path)
                 logger.warning(
                     "ignoring %s: a symlink, not a checkpoint of this directory", entry.path
                 )
             continue
         out.append(entry)
     return out
+
+
+_warned_links: set[str] = set()
 
 
 def committed_steps(root: Path) -> list[int]:
