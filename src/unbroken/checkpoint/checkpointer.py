@@ -148,9 +148,7 @@ class Checkpointer:
         adopted_arena = self._adopted.arena if self._adopted is not None else None
         self._staging = Staging(rank=self.rank, arena=adopted_arena)
         # Before the writer exists: nothing of another job's directory is touched.
-        self._claim = owner.claim(
-            self.root, job=job, takeover=True, hint="or use another checkpoint directory"
-        )
+        self._claim = owner.claim(self.root, job=job, takeover=True)
         if self.config.eager_writer:
             self._inflight.start_writer(self._hooks)
         _created.add(self)

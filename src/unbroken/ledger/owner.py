@@ -177,13 +177,13 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def claim(directory: str | os.PathLike[str], *, job: str, takeover: bool, hint: str) -> Claim:
+def claim(directory: str | os.PathLike[str], *, job: str, takeover: bool, hint: str = "") -> Claim:
     """Claim ``directory`` (created, private to the user) for ``job``.
 
     Shared with the other processes of ``job``. Raises ``DirectoryOwned`` when a process of
     another job holds it, or when another job that no longer runs owned it and ``takeover``
-    is False; ``hint`` (what to do instead, e.g. "pass --resume to continue it") ends the
-    message. Nothing in the directory is changed by a refusal."""
+    is False; ``hint`` (what to do then, e.g. "pass --resume to continue it") ends the
+    latter message. Nothing in the directory is changed by a refusal."""
     if not job:
         raise ValueError("claim() needs a non-empty job identity")
     root = Path(directory)
@@ -207,15 +207,16 @@ def claim(directory: str | os.PathLike[str], *, job: str, takeover: bool, hint: 
             if not _nobody_holds(live_fd, owner):
                 raise DirectoryOwned(
                     f"{root} is in use by {owner.describe()}; refusing to use it for job "
-                    f"{job!r}, and nothing of it was touched. Wait for that job to end or stop "
-                    f"it; {hint}",
+                    f"{job!r}, and nothing of it was touched. Wait for that job to end (or "
+                    "stop it), or use another directory",
                     owner=owner,
                     running=True,
                 )
             if not takeover:
                 raise DirectoryOwned(
                     f"{root} belongs to {owner.describe()}, which is no longer running; "
-                    f"refusing to use it for job {job!r} by accident: {hint}",
+                    f"refusing to use it for job {job!r} by accident"
+                    + (f": {hint}" if hint else ""),
                     owner=owner,
                     running=False,
                 )

@@ -72,8 +72,7 @@ def claim_dirs(args: argparse.Namespace, run_dir: Path) -> list[Claim]:
                 claim(
                     Path(args.ckpt_dir) if args.ckpt_dir else run_dir / "ckpt",
                     job=args.job,
-                    takeover=True,
-                    hint="or choose another --ckpt-dir",
+                    takeover=True,  # another run's checkpoints: refused at restore
                 )
             )
         except BaseException:
