@@ -37,3 +37,26 @@ class PauseAt:
         os.replace(tmp, marker)
         while True:
             time.sleep(1.0)
+
+
+@dataclass(frozen=True)
+class PauseUntil:
+    """Stop the writer at ``point`` of the save of ``step`` (writing ``paused_marker``) until
+    the file ``go`` exists, then go on."""
+
+    point: str
+    step: int
+    go: Path
+
+    def save_rate(self, *, root: Path, rank: int, step: int) -> float | None:
+        return None
+
+    def at(self, point: str, *, root: Path, step: int) -> None:
+        if (point, step) != (self.point, self.step):
+            return
+        marker = paused_marker(root, point)
+        tmp = marker.with_name(f"{marker.name}.tmp-{os.getpid()}")
+        tmp.write_text(str(os.getpid()))
+        os.replace(tmp, marker)
+        while not self.go.exists():
+            time.sleep(0.01)

@@ -33,10 +33,13 @@ def worker_env(**extra: str) -> dict[str, str]:
     return env
 
 
-def run(cmd: list[str], *, timeout_s: float, env: dict[str, str] | None = None) -> Result:
-    """Run ``cmd`` to completion; on timeout kill its whole process group and fail."""
+def run(
+    cmd: list[str], *, timeout_s: float, env: dict[str, str] | None = None, cwd: Path | None = None
+) -> Result:
+    """Run ``cmd`` (in ``cwd``) to completion; on timeout kill its whole process group and fail."""
     proc = subprocess.Popen(
         cmd,
+        cwd=cwd,
         env=env or worker_env(),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,

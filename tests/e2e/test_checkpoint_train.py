@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from procs import final, run, train_cmd
+from procs import VENV_BIN, final, run, train_cmd
 from unbroken.ledger import events as ev
 from unbroken.ledger import goodput, read_events
 
@@ -21,7 +21,10 @@ def test_a_run_stopped_after_a_save_resumes_to_the_same_hash(tmp_path: Path) -> 
     ckpt = [*plain, "--ckpt-every", "3", "--ckpt-mode", "sync"]
     first = run(train_cmd(tmp_path / "run", nproc=None, steps=7, extra=ckpt), timeout_s=120)
     assert first.returncode == 0, first.output[-3000:]
-    second = run(train_cmd(tmp_path / "run", nproc=None, steps=12, extra=ckpt), timeout_s=120)
+    again = run(train_cmd(tmp_path / "run", nproc=None, steps=12, extra=ckpt), timeout_s=120)
+    assert again.returncode == 2 and "pass --resume to continue that run" in again.output
+    resume = [*ckpt, "--resume"]  # another job continues the run on purpose
+    second = run(train_cmd(tmp_path / "run", nproc=None, steps=12, extra=resume), timeout_s=120)
     assert second.returncode == 0, second.output[-3000:]
     assert second.hashes() == ref.hashes()
     assert final(tmp_path / "run")["losses"] == final(tmp_path / "ref")["losses"]
@@ -55,3 +58,23 @@ def test_sigkill_under_torchrun_resumes_from_the_checkpoint(tmp_path: Path) -> N
     assert fault.steps_lost == 11 - fault.restored_step
     assert rep.checkpoint_efficiency is not None and 0.0 < rep.checkpoint_efficiency <= 1.0
     assert final(tmp_path / "run")["losses"] == final(tmp_path / "ref")["losses"]
+
+
+def test_under_plain_torchrun_without_a_run_dir_a_restart_resumes_its_run(tmp_path: Path) -> None:
+    """Before: every restart picked a new runs/<timestamp>, so it never resumed and re-fired its
+    fault until the restart budget was gone. The default is runs/<TORCHELASTIC_RUN_ID>."""
+    plan = tmp_path / "plan.yaml"
+    plan.write_text("faults:\n  - {step: 3, rank: 0, kind: sigkill}\n")
+    cmd = [
+        str(VENV_BIN / "torchrun"),
+        *("--standalone", "--nproc-per-node", "1", "--max-restarts", "2"),
+        *("--monitor-interval", "0.1", "-m", "unbroken.workload.train"),
+        *("--steps", "6", "--seq-len", "32", "--parallel", "none", "--ckpt-every", "2"),
+        *("--ckpt-mode", "sync", "--faults", str(plan)),
+    ]
+    res = run(cmd, timeout_s=180, cwd=tmp_path)
+    assert res.returncode == 0, res.output[-3000:]
+    (run_dir,) = (tmp_path / "runs").iterdir()
+    assert len(list((run_dir / "faults" / "fired").iterdir())) == 1  # fired once
+    loads = [e.get("step") for e in read_events(run_dir) if e.kind == ev.CKPT_LOAD]
+    assert loads == [None, 1]  # the restart restored the checkpoint of step 1

@@ -100,7 +100,17 @@ def test_a_rank_failing_its_health_check_leaves_and_the_job_goes_on_smaller(
     # Bit for bit what one rank computes from that checkpoint.
     ckpt = tmp_path / "ckpt-3"
     shutil.copytree(tmp_path / "run" / "ckpt" / "step-3", ckpt / "step-3")
-    single = train(tmp_path / "single", "--ckpt-every", "2", "--ckpt-dir", str(ckpt), nproc=1)
+    single = train(
+        tmp_path / "single",
+        *(
+            "--ckpt-every",
+            "2",
+            "--ckpt-dir",
+            str(ckpt),
+            "--ckpt-allow-foreign",
+        ),  # run's, on purpose
+        nproc=1,
+    )
     assert single[0].returncode == 0, describe(single)
     assert single[0].hashes == ranks[0].hashes
 

@@ -54,6 +54,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--victim-step", type=int, default=2)
     p.add_argument("--ckpt-every", type=int, default=0, help="checkpoint every N steps")
     p.add_argument("--ckpt-dir", default=None, help="default: <run-dir>/ckpt")
+    p.add_argument("--ckpt-allow-foreign", action="store_true", help="restore another run's")
     p.add_argument("--fault-count-check", type=int, default=0, help="FaultCountCheck(N)")
     p.add_argument("--soft", type=float, default=2.0)
     p.add_argument("--hard", type=float, default=20.0)
@@ -179,6 +180,7 @@ def train(ctx: restart.RestartContext, args: argparse.Namespace, ledger: Ledger)
             every_steps=args.ckpt_every,
             mode="sync",
             keep=100,
+            allow_foreign=args.ckpt_allow_foreign,
         )
         restored = ckpt.restore({"model": model, "optim": optim, "data": sampler})
         start = 0 if restored is None else restored + 1

@@ -17,6 +17,12 @@ Across ranks nothing is collective: a rank that skips leaves a marker and the co
 abandons that step rather than waiting for it. A checkpoint directory must be on storage every
 rank sees (one machine, or a shared filesystem across nodes).
 
+Ownership: a checkpoint directory belongs to one job (``unbroken.ledger.owner``): the
+Checkpointer claims it for its run, shared with the other ranks and writers of that run; a
+Checkpointer of another run is refused while that one runs (``DirectoryOwned``). Each
+checkpoint's manifest names the run that wrote it, and ``restore`` refuses another run's
+checkpoint unless ``allow_foreign``.
+
 Failures: the writer's death is noticed at once (end of its socket) and raised as
 ``CheckpointError`` by the next call; a save not durable within ``persist_timeout_s`` is
 reported (``ckpt_fail``), its writer killed, and the error raised by the next call; a save the
@@ -32,6 +38,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import socket
 import time
 import weakref
 from collections.abc import Mapping
@@ -49,7 +56,7 @@ from unbroken.checkpoint.resolve import ResolveCache, resolve_for_save
 from unbroken.checkpoint.restore import RestoreResult
 from unbroken.checkpoint.restore import restore as _restore
 from unbroken.checkpoint.staging import Pairs, Staging
-from unbroken.ledger import NULL, Recorder
+from unbroken.ledger import NULL, Recorder, owner
 from unbroken.ledger import events as ev
 from unbroken.ledger.active import current as active_ledger
 
@@ -92,8 +99,11 @@ class Checkpointer:
     """Saves and restores a training state under ``directory``; see the module docstring.
 
     ``fields`` override ``config`` (CheckpointConfig): ``every_steps``, ``keep``, ``mode``,
-    ``on_busy``, ``overlap``, ``persist_timeout_s``, ... Rank and world size come from the
-    default process group when one is initialized. ``ledger`` records every save and load
+    ``on_busy``, ``overlap``, ``persist_timeout_s``, ``allow_foreign``, ... Rank and world
+    size come from the default process group when one is initialized. ``run`` names the job
+    that owns the directory and writes its checkpoints (None: the ledger's run; without one,
+    a single process is its own job and the ranks of a process group share an unnamed one,
+    whose checkpoints any run may restore). ``ledger`` records every save and load
     (None: the active ledger of ``unbroken.run``, else nothing); ``hooks`` go to the writer process (fault injection and
     tests, see ``unbroken.checkpoint.hooks``; None: none). Use as a context manager or call
     ``close()``.
@@ -106,14 +116,20 @@ class Checkpointer:
         ledger: Recorder | None = None,
         hooks: WriterHooks | None = None,
         config: CheckpointConfig | None = None,
+        run: str | None = None,
         **fields: Any,
     ) -> None:
         self.config = dataclasses.replace(config or CheckpointConfig(), **fields)
         self.root = Path(directory).resolve()
-        self.root.mkdir(parents=True, exist_ok=True)
         self.rank, self.world_size = _world()
         active = active_ledger() if ledger is None else ledger
         self._ledger: Recorder = NULL if active is None else active
+        named = getattr(self._ledger, "run", None)
+        self.run: str | None = run or (named if isinstance(named, str) and named else None)
+        """The run recorded in (and checked against) the checkpoints' manifests."""
+        job = self.run or (
+            f"process {socket.gethostname()}:{os.getpid()}" if self.world_size == 1 else "unnamed"
+        )
         self._hooks = hooks
         self._stats = CheckpointStats()
         self._inflight = Inflight(
@@ -131,6 +147,8 @@ class Checkpointer:
         # After an in-process restart: the failed iteration's arena, with its snapshot.
         adopted_arena = self._adopted.arena if self._adopted is not None else None
         self._staging = Staging(rank=self.rank, arena=adopted_arena)
+        # Before the writer exists: nothing of another job's directory is touched.
+        self._claim = owner.claim(self.root, job=job, takeover=True)
         if self.config.eager_writer:
             self._inflight.start_writer(self._hooks)
         _created.add(self)
@@ -192,6 +210,7 @@ class Checkpointer:
             "payloads": payloads,
             "assigned": resolved.assigned,
             "planner_data": resolved.planner_data,
+            "run": self.run,
         }
         inflight = self._inflight.begin(step)
         self._last_step = step
@@ -289,7 +308,12 @@ class Checkpointer:
             self._last_step = step
             return step
         result: RestoreResult = _restore(
-            state, root=self.root, rank=self.rank, checksums=self.config.verify
+            state,
+            root=self.root,
+            rank=self.rank,
+            checksums=self.config.verify,
+            run=self.run,
+            allow_foreign=self.config.allow_foreign,
         )
         for step, why in result.rejected:
             self._ledger.emit(
@@ -403,6 +427,9 @@ class Checkpointer:
     def _shutdown(self, *, keep_snapshot: bool = False) -> None:
         """Stop staging and the writer and free the arena; with ``keep_snapshot`` (an abort)
         the arena and its fully staged step go to the memory tier instead."""
-        self._staging.stop(keep_for=self.root if keep_snapshot else None)
-        self._inflight.close()
-        self._staging.close()
+        try:
+            self._staging.stop(keep_for=self.root if keep_snapshot else None)
+            self._inflight.close()
+            self._staging.close()
+        finally:
+            self._claim.release()

@@ -4,7 +4,8 @@
 A done record (``.rank-R.done``, pickled, written durably by rank R's writer after its data
 file is fsynced) holds what ``dcp.save``'s coordinator would have gathered from that rank: the
 write items it wrote (``SavePlan`` items), their ``WriteResult`` storage locations, the
-flatten mapping, the replicated items it holds, and its files' sizes and CRC-32s.
+flatten mapping, the replicated items it holds, its files' sizes and CRC-32s, and the run it
+writes for (recorded in the manifest with every tensor's global shape).
 """
 
 from __future__ import annotations
@@ -25,7 +26,12 @@ from torch.distributed.checkpoint.default_planner import (
     create_default_global_save_plan,
 )
 from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION
-from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
+from torch.distributed.checkpoint.metadata import (
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorStorageMetadata,
+)
 from torch.distributed.checkpoint.planner import SavePlan
 
 from unbroken.checkpoint import layout
@@ -136,7 +142,17 @@ def publish(
     files = {name: entry for rec in records for name, entry in rec["files"].items()}
     md_crc = layout.write_durable(part / layout.DCP_METADATA, payload)
     files[layout.DCP_METADATA] = layout.file_entry(len(payload), md_crc)
-    manifest = layout.manifest_bytes(step=step, world_size=len(records), files=files)
+    tensors = {
+        fqn: list(meta.size)
+        for fqn, meta in md.state_dict_metadata.items()
+        if isinstance(meta, TensorStorageMetadata)
+    }
+    runs = {rec.get("run") for rec in records}
+    if len(runs) != 1:
+        raise RuntimeError(f"the ranks' writers name different runs {sorted(map(str, runs))}")
+    manifest = layout.manifest_bytes(
+        step=step, world_size=len(records), files=files, run=runs.pop(), tensors=tensors
+    )
     manifest_crc = layout.write_durable(part / layout.MANIFEST, manifest)
     for r in range(len(records)):  # merged into .metadata; not part of the DCP directory
         (part / layout.done_record(r)).unlink(missing_ok=True)
@@ -151,4 +167,10 @@ def publish(
         layout.committed_bytes(step=step, manifest_crc32=manifest_crc),
     )
     layout.fsync_dir(root)
-    return layout.retain(root, keep=keep, newest=step)
+    try:
+        return layout.retain(root, keep=keep, newest=step)
+    except OSError as e:  # step-N is committed: a failed clean-up is no failed save
+        logger.warning(
+            "retention after committing step %d failed (retried next commit): %s", step, e
+        )
+        return []

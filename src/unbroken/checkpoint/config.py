@@ -61,6 +61,9 @@ class CheckpointConfig:
     tensors it does not write too (see ``unbroken.checkpoint.memory``)."""
     verify: bool = True
     """``restore`` checks every file's checksum before loading."""
+    allow_foreign: bool = False
+    """``restore`` may load a checkpoint another run wrote (its manifest names the run);
+    False: such a checkpoint is refused with a CheckpointError naming that run."""
 
     def __post_init__(self) -> None:
         if self.every_steps < 0:

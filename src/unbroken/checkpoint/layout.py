@@ -33,6 +33,9 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from unbroken.ledger.durable import fsync_dir as fsync_dir  # commit, faults, writer use it
+from unbroken.ledger.durable import write_atomic
+
 logger = logging.getLogger(__name__)
 
 FORMAT = "unbroken-ckpt/1"
@@ -74,36 +77,16 @@ def fail_marker(rank: int) -> str:
 
 
 # --- durability ------------------------------------------------------------------------------
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def write_durable(path: Path, payload: bytes) -> int:
     """Write ``payload`` to ``path`` atomically (tmp, fsync, rename, fsync dir); returns CRC-32."""
-    tmp = path.with_name(f"{path.name}.tmp-{uuid.uuid4().hex[:8]}")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-    try:
-        view = memoryview(payload)
-        while view:
-            view = view[os.write(fd, view) :]
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(tmp, path)
-    fsync_dir(path.parent)
+    write_atomic(path, payload)
     return zlib.crc32(payload)
 
 
 def write_marker(path: Path, info: dict[str, Any]) -> None:
     """A small signal file between processes (not fsynced: it only has to be seen)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f"{path.name}.tmp-{uuid.uuid4().hex[:8]}")
-    tmp.write_text(json.dumps(info))
-    os.replace(tmp, path)
+    write_atomic(path, json.dumps(info), durable=False)
 
 
 def file_crc32(path: Path) -> tuple[int, int]:
@@ -123,16 +106,36 @@ def file_crc32(path: Path) -> tuple[int, int]:
 
 
 # --- manifest and commit marker --------------------------------------------------------------
-def manifest_bytes(*, step: int, world_size: int, files: dict[str, dict[str, Any]]) -> bytes:
-    """The manifest: every file of the checkpoint with its size and CRC-32 (hex)."""
+def manifest_bytes(
+    *,
+    step: int,
+    world_size: int,
+    files: dict[str, dict[str, Any]],
+    run: str | None = None,
+    tensors: dict[str, list[int]] | None = None,
+) -> bytes:
+    """The manifest: every file of the checkpoint with its size and CRC-32 (hex), the run that
+    wrote it (None: unnamed) and the global shape of every tensor in it (the model it fits)."""
     doc = {
         "format": FORMAT,
         "step": step,
         "world_size": world_size,
         "created": time.time(),
+        "run": run,
+        "tensors": dict(sorted((tensors or {}).items())),
         "files": dict(sorted(files.items())),
     }
     return json.dumps(doc, indent=1).encode()
+
+
+def manifest_run(ckpt: Path) -> tuple[bool, str | None]:
+    """(whether the manifest records its run, that run): checkpoints of older versions of
+    unbroken do not; raises OSError/ValueError for an unreadable manifest."""
+    doc = json.loads((ckpt / MANIFEST).read_text())
+    if not isinstance(doc, dict):
+        raise ValueError(f"{ckpt / MANIFEST}: not a JSON object")
+    run = doc.get("run")
+    return "run" in doc, None if run is None else str(run)
 
 
 def committed_bytes(*, step: int, manifest_crc32: int) -> bytes:
@@ -145,12 +148,32 @@ def file_entry(size: int, crc: int) -> dict[str, Any]:
 
 
 # --- listing ---------------------------------------------------------------------------------
+def _own_entries(root: Path) -> list[os.DirEntry[str]]:
+    """The entries of ``root`` that are its own: a symlink (to a checkpoint elsewhere, to
+    anything) is never listed, checked, moved or deleted through, only logged."""
+    out = []
+    for entry in os.scandir(root):
+        if entry.is_symlink():
+            if entry.name.startswith("step-") and entry.path not in _warned_links:
+                _warned_links.add(entry.path)
+                logger.warning(
+                    "ignoring %s: a symlink, not a checkpoint of this directory", entry.path
+                )
+            continue
+        out.append(entry)
+    return out
+
+
+_warned_links: set[str] = set()
+
+
 def committed_steps(root: Path) -> list[int]:
-    """Steps with a ``COMMITTED`` marker, newest first (their contents are not checked)."""
+    """Steps with a ``COMMITTED`` marker, newest first (their contents are not checked).
+    Symlinks are not checkpoints of ``root`` and are ignored."""
     if not root.is_dir():
         return []
     steps = []
-    for entry in os.scandir(root):
+    for entry in _own_entries(root):
         m = _STEP_RE.match(entry.name)
         if m and os.path.exists(os.path.join(entry.path, COMMITTED)):
             steps.append(int(m.group(1)))
@@ -166,23 +189,28 @@ def verify(ckpt: Path, *, files: Iterable[str] | None = None, checksums: bool = 
     """Check a committed checkpoint; returns None if sound, else why not.
 
     Always checks the marker against the manifest and every listed file's presence and size;
-    with ``checksums``, also the CRC-32 of ``files`` (default: all listed files).
+    with ``checksums``, also the CRC-32 of ``files`` (default: all listed files). An I/O error
+    other than a missing file (EIO, ESTALE, ...) is raised as OSError, not returned: it says
+    nothing about the checkpoint, and the caller retries rather than rejects.
     """
     try:
         marker = json.loads((ckpt / COMMITTED).read_text())
         raw = (ckpt / MANIFEST).read_bytes()
-    except (OSError, ValueError) as e:
+    except (FileNotFoundError, ValueError) as e:
         return f"unreadable commit marker or manifest: {e}"
+    if not isinstance(marker, dict):
+        return f"malformed commit marker: {str(marker)[:100]}"
     if marker.get("manifest_crc32") != f"{zlib.crc32(raw):08x}":
         return f"manifest checksum mismatch (marker says {marker.get('manifest_crc32')})"
     try:
         listed: dict[str, dict[str, Any]] = json.loads(raw)["files"]
-    except (ValueError, KeyError) as e:
-        return f"malformed manifest: {e}"
+        _ = [(e["bytes"], e["crc32"]) for e in listed.values()]
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        return f"malformed manifest: {e!r}"
     for name, entry in sorted(listed.items()):
         try:
             size = os.stat(ckpt / name).st_size
-        except OSError as e:
+        except FileNotFoundError as e:
             return f"{name}: missing ({e.strerror})"
         if size != entry["bytes"]:
             return f"{name}: size {size} != {entry['bytes']} in the manifest"
@@ -200,7 +228,11 @@ def verify(ckpt: Path, *, files: Iterable[str] | None = None, checksums: bool = 
 # --- removal and retention -------------------------------------------------------------------
 def remove_checkpoint(path: Path) -> None:
     """Delete a checkpoint so that no crash leaves it half-deleted yet committed: the marker
-    goes first (and is made durable), then the rest."""
+    goes first (and is made durable), then the rest. A symlink is left alone (what it points
+    to is not ours)."""
+    if path.is_symlink():
+        logger.warning("not removing %s: a symlink, not a checkpoint of this directory", path)
+        return
     marker = path / COMMITTED
     if marker.exists():
         marker.unlink()
@@ -220,7 +252,7 @@ def retain(root: Path, *, keep: int, newest: int) -> list[str]:
         if step != newest:
             remove_checkpoint(step_dir(root, step))
             removed.append(f"step-{step}")
-    for entry in os.scandir(root):
+    for entry in _own_entries(root):
         if _ASIDE_RE.match(entry.name):  # a replaced checkpoint whose removal was cut short
             shutil.rmtree(entry.path, ignore_errors=True)
             removed.append(entry.name)
@@ -244,7 +276,7 @@ def sweep_incomplete(root: Path) -> list[str]:
     removed: list[str] = []
     if not root.is_dir():
         return removed
-    for entry in os.scandir(root):
+    for entry in _own_entries(root):
         m = _PARTIAL_RE.match(entry.name) or _ASIDE_RE.match(entry.name)
         uncommitted = _STEP_RE.match(entry.name) and not os.path.exists(
             os.path.join(entry.path, COMMITTED)
@@ -267,6 +299,9 @@ def quarantine(path: Path) -> Path:
 def move_aside(path: Path) -> None:
     """Remove an existing directory that a new commit replaces (an uncommitted leftover, or a
     checkpoint of the same step that failed its checks)."""
+    if path.is_symlink():  # a link in our directory: drop the link, never what it points to
+        path.unlink()
+        return
     with contextlib.suppress(FileNotFoundError):
         aside = path.with_name(f"{path.name}.old-{uuid.uuid4().hex[:8]}")
         os.rename(path, aside)

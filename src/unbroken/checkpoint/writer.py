@@ -80,6 +80,9 @@ class ChecksumWriter(io.RawIOBase):
         self._t0 = time.monotonic()
         self._check = check
         self._since_check = 0
+        self.os_error: OSError | None = None
+        """The storage's error (ENOSPC, EROFS, EIO), which torch.save's writer would hide
+        behind its own ("unexpected pos")."""
 
     def writable(self) -> bool:
         return True
@@ -93,7 +96,11 @@ class ChecksumWriter(io.RawIOBase):
         for start in range(0, n, _WRITE_SLICE):
             chunk = view[start : start + _WRITE_SLICE]
             while chunk:
-                chunk = chunk[os.write(self.fd, chunk) :]
+                try:
+                    chunk = chunk[os.write(self.fd, chunk) :]
+                except OSError as e:
+                    self.os_error = e
+                    raise
             self.crc = zlib.crc32(view[start : start + _WRITE_SLICE], self.crc)
             self.pos += min(_WRITE_SLICE, n - start)
             self._since_check += min(_WRITE_SLICE, n - start)
@@ -178,6 +185,8 @@ class Writer:
             return
         except Exception as e:
             logger.exception("writer of rank %d failed to persist step %d", self.rank, step)
+            with contextlib.suppress(OSError):  # free what it took (a full disk), then say so
+                (part / layout.data_file(self.rank)).unlink(missing_ok=True)
             with contextlib.suppress(OSError):
                 layout.write_marker(part / layout.fail_marker(self.rank), {"error": repr(e)})
             self.reply({"type": "failed", "step": step, "error": f"{type(e).__name__}: {e}"})
@@ -277,7 +286,13 @@ class Writer:
                 # A tensor whose storage is exactly this slot, so torch.save writes only it.
                 raw = torch.frombuffer(self.mm, dtype=torch.uint8, count=slot.nbytes, offset=slot.offset) \
                     if slot.nbytes else torch.empty(0, dtype=torch.uint8)  # fmt: skip
-                torch.save(raw.view(slot.dtype).view(slot.shape), stream)
+                try:
+                    torch.save(raw.view(slot.dtype).view(slot.shape), stream)
+                except RuntimeError as e:
+                    err = stream.os_error
+                    if err is None:
+                        raise
+                    raise OSError(err.errno, err.strerror, str(part / name)) from e
                 add(wi, offset)
             t1 = time.monotonic()
             os.fsync(fd)
@@ -293,6 +308,7 @@ class Writer:
             "assigned": msg["assigned"],
             "planner_data": msg["planner_data"],
             "files": {name: layout.file_entry(stream.pos, stream.crc)},
+            "run": msg.get("run"),
         }
         layout.write_durable(part / layout.done_record(self.rank), pickle.dumps(record))
         return {

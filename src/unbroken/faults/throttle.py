@@ -18,12 +18,11 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import time
-import uuid
 from pathlib import Path
 
 from unbroken.checkpoint import layout
+from unbroken.ledger.durable import write_atomic
 
 logger = logging.getLogger(__name__)
 
@@ -71,9 +70,7 @@ def _read_used(path: Path) -> int:
 
 
 def _write_used(path: Path, used: int) -> None:
-    tmp = path.with_name(f"{path.name}.tmp-{uuid.uuid4().hex[:8]}")
-    tmp.write_text(str(used))
-    os.replace(tmp, path)
+    write_atomic(path, str(used))  # a restarted writer goes on counting from here
 
 
 class SlowStorage:

@@ -23,7 +23,6 @@ first failure by time in the round that made the job give up, with rank, cause a
 from __future__ import annotations
 
 import json
-import os
 import signal as _signal
 import time
 from dataclasses import asdict, dataclass
@@ -31,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from unbroken.errors import UnbrokenError
+from unbroken.ledger.durable import write_atomic
 
 EXIT_OK = 0
 EXIT_INTERNAL = 1
@@ -196,7 +196,9 @@ def write_error_file(
     restarts: int,
     run_id: str,
 ) -> dict[str, Any]:
-    """Write the launcher's error file atomically; returns what was written."""
+    """Write the launcher's error file atomically and durably (``unbroken.ledger.durable``):
+    after a crash it holds this record or the previous one, never a torn one. Returns what was
+    written."""
     root = root_cause(failures)
     out: dict[str, Any] = {
         "rank": None if root is None else root.rank,
@@ -216,7 +218,5 @@ def write_error_file(
         "failures": [f.to_dict() for f in sorted(failures, key=lambda f: (f.ts, f.rank))],
     }
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    tmp.write_text(json.dumps(out, indent=1, default=str))
-    os.replace(tmp, path)
+    write_atomic(path, json.dumps(out, indent=1, default=str))
     return out

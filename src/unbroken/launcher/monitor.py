@@ -21,12 +21,13 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import socket
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from unbroken.ledger.durable import write_atomic
 
 logger = logging.getLogger(__name__)
 
@@ -132,9 +133,7 @@ class Observed:
         }
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
-            tmp.write_text(json.dumps(merged, indent=1))
-            os.replace(tmp, path)
+            write_atomic(path, json.dumps(merged, indent=1))
         except OSError:
             logger.warning("could not persist heartbeat observations to %s", path)
 

@@ -1,8 +1,10 @@
 """The goodput ledger: event records, the per-process writer, the reader, the goodput math.
 
 Owns the event schema, the one ``Recorder`` protocol every recording component takes (and
-its null ``NULL``), and every figure derived from the records. Never imports torch, so any
-process (a launcher, the dashboard) can use it cheaply. Imports of ours: none.
+its null ``NULL``), and every figure derived from the records. Also the two file disciplines
+every package shares, here because every package may import the ledger: atomic durable writes
+(``durable``) and one owner per run or checkpoint directory (``owner``). Never imports torch,
+so any process (a launcher, the dashboard) can use it cheaply. Imports of ours: none.
 """
 
 from unbroken.ledger import events, goodput, report

@@ -12,6 +12,15 @@ restored (model, optimizer, sampler position, per-rank RNG state, loss curve) an
 continues with the step after it; after every N completed steps a save is staged (async: the
 trainer is blocked only for the copy, overlapped with the next forward/backward); the
 checkpointer is closed (last save durable) before the final hash.
+
+One job per directory (``unbroken.ledger.owner``): the run directory and the checkpoint
+directory are claimed for this job's identity (``job_identity``: the launcher's run id, stable
+across its restarts). Without ``--run-dir`` the run directory is ``runs/<identity>``, so a
+restarted process continues its run. A directory another job is using is refused (exit 2);
+one another job used before is refused too, unless ``--resume`` continues that run on purpose:
+its ledger goes on (its wall time then includes the time nothing ran) and its checkpoints are
+restored although another job wrote them. Without ``--resume`` a run never continues another
+job's ledger or checkpoints by accident.
 """
 
 from __future__ import annotations
@@ -24,7 +33,6 @@ import os
 import platform
 import socket
 import sys
-import time
 import traceback
 from collections.abc import Sequence
 from datetime import timedelta
@@ -46,12 +54,15 @@ from unbroken.env import WorkerEnv
 from unbroken.faults import FaultInjector, FaultPlan, load_plan
 from unbroken.ledger import Ledger, install_sigterm_flush, process_start_time
 from unbroken.ledger import events as ev
+from unbroken.ledger.durable import write_atomic
+from unbroken.ledger.owner import DirectoryOwned
 from unbroken.log import init_logging
 from unbroken.workload import data as wdata
 from unbroken.workload import model as wmodel
 from unbroken.workload.dist import default_backend, init_process_group
 from unbroken.workload.parallel import wrap_model
 from unbroken.workload.rng import capture_rng_state, restore_rng_state
+from unbroken.workload.rundir import claim_dirs, default_run_dir, job_identity
 from unbroken.workload.statehash import state_sha256
 
 logger = logging.getLogger("unbroken.workload.train")
@@ -74,7 +85,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seq-len", type=int, default=64, help="tokens per sample")
     p.add_argument("--seed", type=int, default=0, help="seed of the model, data and order")
     p.add_argument("--parallel", choices=["fsdp", "ddp", "none"], default="fsdp")
-    p.add_argument("--run-dir", default=None, help="where the ledger and results go")
+    p.add_argument(
+        "--run-dir",
+        default=None,
+        help="where the ledger and results go (default: runs/<the launcher's run id>)",
+    )
+    p.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue the run another job left in --run-dir, restoring its checkpoints",
+    )
     p.add_argument("--faults", default=None, help="a fault plan (YAML)")
     p.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate")
     p.add_argument("--num-samples", type=int, default=1 << 16, help="samples per epoch")
@@ -110,6 +130,7 @@ def build_parser() -> argparse.ArgumentParser:
         default="skip",
         help="a save due while the previous one persists: skip it, or wait for the previous",
     )
+    p.set_defaults(job=None)  # this job's identity, set by main (job_identity)
     return p
 
 
@@ -179,6 +200,8 @@ def _checkpointer(
         Path(args.ckpt_dir) if args.ckpt_dir else run_dir / "ckpt",
         ledger=ledger,
         hooks=hooks,
+        run=args.job,
+        allow_foreign=args.resume,
         every_steps=args.ckpt_every,
         keep=args.ckpt_keep,
         mode=args.ckpt_mode,
@@ -359,9 +382,7 @@ def train_once(
                     "seed": args.seed,
                     "losses": progress.losses,
                 }
-                tmp = run_dir / "final.json.tmp"
-                tmp.write_text(json.dumps(out, indent=1))
-                os.replace(tmp, run_dir / "final.json")
+                write_atomic(run_dir / "final.json", json.dumps(out, indent=1))
         return digest
     finally:
         if ckpt is not None:
@@ -374,10 +395,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     init_logging()
     env = WorkerEnv.from_environ()
-    run_dir = Path(
-        args.run_dir or env.run_dir or Path("runs") / time.strftime("%Y%m%d-%H%M%S")
-    ).resolve()
-    run_dir.mkdir(parents=True, exist_ok=True)
+    run_dir = Path(args.run_dir or env.run_dir or default_run_dir(env)).resolve()
+    args.job = job_identity(env)
+    try:
+        claim_dirs(args, run_dir)  # held until the process exits
+    except DirectoryOwned as e:
+        logger.error("%s", e)
+        return 2
     ledger = Ledger(run_dir, run=run_id_for(env, run_dir), rank=env.rank, attempt=env.restart_count)
     install_sigterm_flush(ledger)
     ledger.emit(
