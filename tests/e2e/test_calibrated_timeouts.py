@@ -4,7 +4,8 @@ model, steps of ~tens of ms) under ``unbroken-run``.
 - a clean run calibrates both layers (ledger ``tuned`` records) and nothing fires;
 - a Python hang is caught by the in-process watchdog about a second after it starts (far
   below the old 60 s default), the launcher's calibrated timeout does not kill the restarting
-  workers (no launcher restart), and the run ends bit-exact with the clean one.
+  workers (no launcher restart), and the run ends bit-exact with the clean one, although it
+  saved at the steps the adaptive interval (``--ckpt-adaptive``) chose instead of every 10.
 """
 
 from __future__ import annotations
@@ -58,10 +59,15 @@ def test_a_hang_is_detected_in_about_a_second_without_timeout_flags(
     plan = tmp_path / "plan.yaml"
     plan.write_text(f"faults:\n  - {{step: {HANG_STEP}, rank: 1, kind: hang}}\n")
     run_dir = tmp_path / "run"
-    res = run(_train(run_dir, "--faults", str(plan)), timeout_s=180)
+    adaptive = ["--ckpt-adaptive", "--ckpt-mtbf-s", "2", "--ckpt-min-every", "3"]
+    res = run(_train(run_dir, "--faults", str(plan), *adaptive), timeout_s=180)
     assert res.returncode == 0, res.output[-4000:]
     assert set(res.hashes()) == {clean[1]}  # bit-exact with the clean run
     events = read_events(run_dir)
+    intervals = [e.get("value") for e in events if e.get("name") == "ckpt_interval_steps"]
+    assert intervals and all(3 <= v <= 1000 for v in intervals), intervals
+    committed = {e.get("step") for e in events if e.kind == "ckpt_commit"}
+    assert committed - {9, 19, 29, 39}, committed  # not the fixed schedule's steps
     assert {e.attempt for e in events} == {0}, "the launcher restarted the workers"
     (injected,) = [e for e in events if e.kind == "fault_injected"]
     detected = [e for e in events if e.kind == "fault_detected" and e.get("detector") == "watchdog"]
