@@ -12,7 +12,11 @@ persisting and while none is, and the median persist time. Variants run interlea
 
 - ``nice0``: the writer at the trainer's priority;
 - ``default``: what ``writer.lower_priority`` does (the shipped behaviour);
-- ``nice19``: niceness +19 only.
+- ``nice19``: niceness +19 only;
+- ``idle``: SCHED_IDLE (runs only on a core nothing else wants).
+
+Also printed: the writer's CPU time per save (user + system, from /proc), what it takes from
+a saturated machine whatever its priority.
 """
 
 from __future__ import annotations
@@ -38,10 +42,20 @@ VARIANTS = {
     "nice0": lambda nice: None,
     "default": SHIPPED,
     "nice19": lambda nice: os.nice(19),
+    "idle": lambda nice: os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0)),
 }
 
 
-def measure(variant: str, args: argparse.Namespace, root: Path) -> tuple[float, float, float]:
+def cpu_s(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` so far (all its threads)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def measure(
+    variant: str, args: argparse.Namespace, root: Path
+) -> tuple[float, float, float, float]:
     cwriter.lower_priority = VARIANTS[variant]  # inherited by the writer forked below
     rank, world = dist.get_rank(), dist.get_world_size()
     cfg = wmodel.get_config(args.model)
@@ -71,10 +85,13 @@ def measure(variant: str, args: argparse.Namespace, root: Path) -> tuple[float, 
             ckpt.maybe_save(step, state)
         ckpt.wait()
         persist = ckpt.stats().persist_s[1:]
+        assert ckpt.writer_pid is not None
+        writer_cpu = cpu_s(ckpt.writer_pid) / max(1, ckpt.stats().saves)
     return (
         statistics.median(busy) if busy else float("nan"),
         statistics.median(quiet) if quiet else float("nan"),
         statistics.median(persist) if persist else float("nan"),
+        writer_cpu,
     )
 
 
@@ -90,7 +107,7 @@ def main() -> None:
     args = p.parse_args()
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
-    results: dict[str, list[tuple[float, float, float]]] = {}
+    results: dict[str, list[tuple[float, float, float, float]]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         paths = [tmp]  # rank 0's directory for every rank
         dist.broadcast_object_list(paths)
@@ -101,13 +118,17 @@ def main() -> None:
         print(f"load average {os.getloadavg()}")
         print(
             f"{'variant':<10} {'step busy ms':>13} {'step quiet ms':>14} {'slower ms':>10} "
-            f"{'persist s':>10}"
+            f"{'persist s':>10} {'writer cpu s/save':>18}"
         )
         for v, rows in results.items():
             b = statistics.median(r[0] for r in rows)
             q = statistics.median(r[1] for r in rows)
             per = statistics.median(r[2] for r in rows)
-            print(f"{v:<10} {b * 1e3:>13.1f} {q * 1e3:>14.1f} {(b - q) * 1e3:>10.1f} {per:>10.2f}")
+            cpu = statistics.median(r[3] for r in rows)
+            print(
+                f"{v:<10} {b * 1e3:>13.1f} {q * 1e3:>14.1f} {(b - q) * 1e3:>10.1f} {per:>10.2f} "
+                f"{cpu:>18.2f}"
+            )
     dist.destroy_process_group()
 
 

@@ -11,8 +11,8 @@ timeout the config leaves None (an explicit value always wins, unchanged):
 - initial soft timeout (an iteration's start to its first step: model build, restore, the
   first step): ``max(initial_timeout_floor_s, timeout_factor x the longest first step seen)``,
   at most its ceiling (600 s); the ceiling until one first step was seen.
-- hard timeouts follow their soft one: ``max(HARD_RATIO x soft, soft + HARD_MARGIN_S)``, at
-  most their ceiling.
+- hard timeouts follow their soft one: ``max(HARD_RATIO x soft, soft + HARD_MARGIN_S)`` (10 s:
+  an NCCL abort may take seconds), at most their ceiling.
 - a value in effect moves only when the computed one differs from it by more than
   ``HYSTERESIS``; each move is a ledger ``tuned`` record (and the first calibrated value).
 
@@ -89,6 +89,7 @@ class Calibrator:
         self, config: RestartConfig, *, ledger: Recorder = NULL, path: Path | None = None
     ) -> None:
         self.config = config
+        self._ceilings = config.ceilings()
         self.ledger = ledger
         self.path = path
         self.gaps = _WindowMax(WINDOW)
@@ -107,7 +108,7 @@ class Calibrator:
     def timeouts(self, *, initial: bool) -> tuple[float, float]:
         """(soft, hard) in effect before (initial) or after an iteration's first step."""
         c = self.config
-        soft_c, hard_c, isoft_c, ihard_c = c.ceilings()
+        soft_c, hard_c, isoft_c, ihard_c = self._ceilings
         if initial:
             soft_x, hard_x, cal, s_ceil, h_ceil = (
                 c.initial_soft_timeout_s,

@@ -61,7 +61,7 @@ DEFAULT_HARD_S = 90.0
 DEFAULT_INITIAL_SOFT_S = 600.0
 DEFAULT_INITIAL_HARD_S = 900.0
 HARD_RATIO = 1.5
-HARD_MARGIN_S = 5.0
+HARD_MARGIN_S = 10.0
 """A derived hard timeout is max(HARD_RATIO x soft, soft + HARD_MARGIN_S): time for fn to
 return after the restart was requested, before the rank is killed."""
 _TIMEOUTS = ("soft_timeout_s", "hard_timeout_s", "initial_soft_timeout_s", "initial_hard_timeout_s")
@@ -85,8 +85,8 @@ class RestartConfig:
     None: calibrated from the job's own progress gaps (``calibrate.py``), at most 60 s."""
     hard_timeout_s: float | None = None
     """No progress heartbeat for this long: the rank is killed (SIGKILL) for the launcher.
-    None: max(1.5 x, 5 s +) the soft timeout in effect, at most 90 s (or 1.5 x an explicit soft
-    timeout)."""
+    None: max(1.5 x, 10 s +) the soft timeout in effect, at most 90 s (or 1.5 x an explicit
+    soft timeout)."""
     initial_soft_timeout_s: float | None = None
     """The soft timeout before an iteration's first step (model build, checkpoint load). None:
     calibrated from the observed first-step durations, at most 600 s."""
