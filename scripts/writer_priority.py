@@ -15,7 +15,8 @@ persisting and while none is, and the median persist time. Variants run interlea
 - ``nice19``: niceness +19 only;
 - ``idle``: SCHED_IDLE (runs only on a core nothing else wants).
 
-Also printed: the writer's CPU time per save (user + system, from /proc), what it takes from
+"persisting" excludes the step right after a save (shown apart: it also runs the trainer's
+overlapped copy into the staging arena). Also printed: the writer's CPU time per save (user + system, from /proc), what it takes from
 a saturated machine whatever its priority.
 """
 
@@ -55,7 +56,7 @@ def cpu_s(pid: int) -> float:
 
 def measure(
     variant: str, args: argparse.Namespace, root: Path
-) -> tuple[float, float, float, float]:
+) -> tuple[float, float, float, float, float]:
     cwriter.lower_priority = VARIANTS[variant]  # inherited by the writer forked below
     rank, world = dist.get_rank(), dist.get_world_size()
     cfg = wmodel.get_config(args.model)
@@ -68,7 +69,8 @@ def measure(
         1 << 16, global_batch=args.batch_size * world, rank=rank, world_size=world, seed=0
     )
     state = {"model": model, "optim": optim, "data": sampler}
-    busy, quiet = [], []
+    busy, quiet, after = [], [], []  # persisting, not, the step right after a save
+    saved = False
     with Checkpointer(root / variant, every_steps=args.every, keep=1) as ckpt:
         for step in range(args.steps):
             t0 = time.perf_counter()
@@ -81,8 +83,10 @@ def measure(
             dist.barrier()
             dur = time.perf_counter() - t0
             if step >= args.every:  # the first save allocates the arena and starts the writer
-                (busy if persisting else quiet).append(dur)
-            ckpt.maybe_save(step, state)
+                # The step after a save also runs the overlapped copy into the arena (in the
+                # trainer, not the writer).
+                (after if saved else busy if persisting else quiet).append(dur)
+            saved = ckpt.maybe_save(step, state)
         ckpt.wait()
         persist = ckpt.stats().persist_s[1:]
         assert ckpt.writer_pid is not None
@@ -92,6 +96,7 @@ def measure(
         statistics.median(quiet) if quiet else float("nan"),
         statistics.median(persist) if persist else float("nan"),
         writer_cpu,
+        statistics.median(after) if after else float("nan"),
     )
 
 
@@ -107,7 +112,7 @@ def main() -> None:
     args = p.parse_args()
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
-    results: dict[str, list[tuple[float, float, float, float]]] = {}
+    results: dict[str, list[tuple[float, float, float, float, float]]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         paths = [tmp]  # rank 0's directory for every rank
         dist.broadcast_object_list(paths)
@@ -117,17 +122,18 @@ def main() -> None:
     if dist.get_rank() == 0:
         print(f"load average {os.getloadavg()}")
         print(
-            f"{'variant':<10} {'step busy ms':>13} {'step quiet ms':>14} {'slower ms':>10} "
-            f"{'persist s':>10} {'writer cpu s/save':>18}"
+            f"{'variant':<10} {'after save ms':>13} {'persisting ms':>13} {'quiet ms':>9} "
+            f"{'slower ms':>10} {'persist s':>10} {'writer cpu s/save':>18}"
         )
         for v, rows in results.items():
             b = statistics.median(r[0] for r in rows)
             q = statistics.median(r[1] for r in rows)
             per = statistics.median(r[2] for r in rows)
             cpu = statistics.median(r[3] for r in rows)
+            a = statistics.median(r[4] for r in rows)
             print(
-                f"{v:<10} {b * 1e3:>13.1f} {q * 1e3:>14.1f} {(b - q) * 1e3:>10.1f} {per:>10.2f} "
-                f"{cpu:>18.2f}"
+                f"{v:<10} {a * 1e3:>13.1f} {b * 1e3:>13.1f} {q * 1e3:>9.1f} {(b - q) * 1e3:>10.1f} "
+                f"{per:>10.2f} {cpu:>18.2f}"
             )
     dist.destroy_process_group()
 
