@@ -200,9 +200,17 @@ def _with_hooks(
         if injector is not None:
             ctx.add_step_hook(injector.on_step)
         ctx.add_exit_hook(functools.partial(_abort_new, set(open_checkpointers())))
+        ctx.add_exit_hook(_restarting)
         return fn(ctx)
 
     return iteration
+
+
+def _restarting(error: BaseException | None) -> None:
+    """After a failed iteration: the launcher gives the restart its initial timeout, not the
+    steady one sized for steps (the next step's heartbeat ends that)."""
+    if error is not None:
+        heartbeat(finishing=True)
 
 
 def _abort_new(before: set[Checkpointer], error: BaseException | None) -> None:

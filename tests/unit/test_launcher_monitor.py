@@ -9,12 +9,9 @@ import pytest
 
 from unbroken import env as uenv
 from unbroken.launcher import client
-from unbroken.launcher.monitor import (
-    AUTO_MIN_STEADY_SAMPLES,
-    HeartbeatServer,
-    HeartbeatTracker,
-    Observed,
-)
+from unbroken.launcher import config as lconfig
+from unbroken.launcher.calibrate import INITIAL_FLOOR_S, STEADY_FLOOR_S, WARMUP
+from unbroken.launcher.monitor import HeartbeatServer, HeartbeatTracker, Observed
 
 
 def tracker(**kw: object) -> HeartbeatTracker:
@@ -110,23 +107,78 @@ def test_disabled_tracker_never_reports_hangs() -> None:
 
 
 def test_automatic_timeouts_shrink_to_observed_gaps_times_the_factor(tmp_path: Path) -> None:
+    changes: list[tuple[str, float, float | None]] = []
     t = tracker(
-        auto_timeouts=True, auto_timeout_factor=4.0, steady_timeout_s=60.0, initial_timeout_s=100.0
+        auto_timeouts=True,
+        auto_timeout_factor=16.0,
+        steady_timeout_s=60.0,
+        initial_timeout_s=300.0,
+        on_change=lambda *c: changes.append(c),
     )
     t.begin_round(0, {0: (0, 100)}, now=0.0)
-    t.record(hb(0, step=0), now=3.0)
-    assert t.effective_initial_s() == pytest.approx(12.0)
-    for i in range(AUTO_MIN_STEADY_SAMPLES):
+    t.record(hb(0, step=0), now=5.0)
+    assert t.effective_initial_s() == pytest.approx(16 * 5.0)  # above its 60 s floor
+    for i in range(WARMUP):  # the warm-up: still the configured steady timeout
         assert t.effective_steady_s() == 60.0
-        t.record(hb(0, step=i + 1), now=3.0 + 0.25 * (i + 1))
-    assert t.effective_steady_s() == pytest.approx(1.0)
+        t.record(hb(0, step=i + 1), now=5.0 + 0.25 * (i + 1))
+    assert t.effective_steady_s() == pytest.approx(16 * 0.25)
+    assert changes == [
+        ("initial_timeout_s", pytest.approx(80.0), None),
+        ("steady_timeout_s", pytest.approx(4.0), None),
+    ]
+    # A slightly longer gap stays within the hysteresis; a gap past the timeout is a hang.
+    t.record(hb(0, step=99), now=t.workers[0].last + 0.26)  # type: ignore[operator]
+    assert t.effective_steady_s() == pytest.approx(4.0) and len(changes) == 2
     state = tmp_path / "launcher" / "heartbeats.json"
     t.observed.save(state)
     Observed(steady_gap_max_s=0.5, steady_samples=3).save(state)  # another agent: merged
     loaded = Observed.load(state)
     assert loaded.job_heartbeats and loaded.steady_gap_max_s == pytest.approx(0.5)
-    assert loaded.steady_samples == AUTO_MIN_STEADY_SAMPLES and loaded.initial_max_s == 3.0
+    assert loaded.steady_samples == WARMUP + 1 and loaded.initial_max_s == 5.0
+    # A restarted agent starts calibrated from the file.
+    again = tracker(auto_timeouts=True, steady_timeout_s=60.0, observed=loaded)
+    assert again.effective_steady_s() == pytest.approx(16 * 0.5)
     assert Observed.load(tmp_path / "missing.json") == Observed()
+
+
+def test_automatic_timeouts_have_floors_and_fast_steps_get_the_steady_floor() -> None:
+    """70 ms steps: the agent's steady timeout becomes its floor (3 s), not 120 s; the initial
+    timeout never goes below its floor however fast the start."""
+    t = tracker(auto_timeouts=True, steady_timeout_s=120.0, initial_timeout_s=300.0)
+    t.begin_round(0, {0: (0, 100)}, now=0.0)
+    t.record(hb(0, step=0), now=0.5)
+    for i in range(WARMUP):
+        t.record(hb(0, step=i + 1), now=0.5 + 0.07 * (i + 1))
+    assert t.effective_steady_s() == STEADY_FLOOR_S
+    assert t.effective_initial_s() == INITIAL_FLOOR_S
+    last = 0.5 + 0.07 * WARMUP
+    assert t.overdue(last + STEADY_FLOOR_S - 0.01) == []
+    (hang,) = t.overdue(last + STEADY_FLOOR_S)
+    assert (hang.phase, hang.timeout_s) == ("steady", STEADY_FLOOR_S)
+
+
+def test_a_restarting_worker_gets_the_configured_initial_timeout_until_its_next_step() -> None:
+    """An in-process restart says "finishing" (no step for a while); the next step's
+    heartbeat, without the flag, brings the steady timeout back. Neither gap is a step gap."""
+    t = tracker(auto_timeouts=True, steady_timeout_s=120.0, initial_timeout_s=300.0)
+    t.begin_round(0, {0: (0, 100)}, now=0.0)
+    for i in range(WARMUP + 1):
+        t.record(hb(0, step=i), now=1.0 + 0.1 * i)
+    assert t.effective_steady_s() == STEADY_FLOOR_S
+    t.record({**hb(0, step=WARMUP), "fin": True}, now=10.0)  # 8 s after the last step
+    assert t.observed.steady_gap_max_s == pytest.approx(0.1)  # the restart's gap is no step
+    assert t.overdue(10.0 + 299.0) == []
+    t.record(hb(0, step=WARMUP + 1), now=20.0)
+    assert t.observed.steady_gap_max_s == pytest.approx(0.1)
+    (hang,) = t.overdue(20.0 + STEADY_FLOOR_S)
+    assert hang.phase == "steady"
+
+
+def test_explicit_timeouts_turn_the_automatic_ones_off() -> None:
+    assert lconfig.build().auto_timeouts is True
+    assert lconfig.build(steady_timeout_s=5.0).auto_timeouts is False
+    assert lconfig.build(initial_timeout_s=50.0).auto_timeouts is False
+    assert lconfig.build(steady_timeout_s=5.0, auto_timeouts=True).auto_timeouts is True
 
 
 def test_client_sends_datagrams_the_server_reads(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -10,9 +10,19 @@ from unbroken.restart.config import parse_addr
 
 def test_defaults_are_valid_and_ordered() -> None:
     c = RestartConfig()
-    assert c.monitor_interval_s < c.soft_timeout_s < c.hard_timeout_s < c.barrier_timeout_s
-    assert c.timeouts(initial=True) == (c.initial_soft_timeout_s, c.initial_hard_timeout_s)
-    assert c.timeouts(initial=False) == (c.soft_timeout_s, c.hard_timeout_s)
+    soft, hard, isoft, ihard = c.ceilings()  # the defaults leave every timeout to calibration
+    assert c.soft_timeout_s is None and (soft, hard, isoft, ihard) == (60.0, 90.0, 600.0, 900.0)
+    assert c.monitor_interval_s < soft < hard < c.barrier_timeout_s
+    assert c.timeouts(initial=True) == (isoft, ihard)
+    assert c.timeouts(initial=False) == (soft, hard)
+
+
+def test_ceilings_keep_order_with_explicit_values() -> None:
+    assert RestartConfig(hard_timeout_s=10.0).ceilings()[:2] == (pytest.approx(10 / 1.5), 10.0)
+    assert RestartConfig(soft_timeout_s=70.0).ceilings()[:2] == (70.0, pytest.approx(105.0))
+    explicit = {"soft_timeout_s": 0.4, "hard_timeout_s": 10.0}
+    both = {"initial_soft_timeout_s": 10.0, "initial_hard_timeout_s": 20.0}
+    assert RestartConfig(**explicit, **both).ceilings() == (0.4, 10.0, 10.0, 20.0)
 
 
 @pytest.mark.parametrize(
@@ -29,6 +39,10 @@ def test_defaults_are_valid_and_ordered() -> None:
         ({"pg_backend": "mpi"}, "pg_backend"),
         ({"store_addr": "nohost"}, "host:port"),
         ({"backstop_margin_s": 0}, "backstop_margin_s"),
+        ({"soft_timeout_s": 0}, "soft_timeout_s"),
+        ({"timeout_factor": 1.0}, "timeout_factor"),
+        ({"timeout_floor_s": 0}, "timeout_floor_s"),
+        ({"timeout_warmup": 0}, "timeout_warmup"),
     ],
 )
 def test_bad_values_are_rejected_with_the_field_named(fields: dict, needle: str) -> None:

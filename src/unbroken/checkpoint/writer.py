@@ -334,6 +334,12 @@ class Writer:
         return rate
 
 
+def lower_priority(nice: int) -> None:
+    """The writer is background work: raise its niceness by ``nice`` (0: leave it as is)."""
+    if nice:
+        os.nice(nice)
+
+
 def _rss_bytes() -> int:
     try:
         with open("/proc/self/statm") as f:
@@ -356,8 +362,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--nice", type=int, default=0, help="niceness to add (background work)")
     args = p.parse_args(argv)
     _die_with_parent(args.parent_pid, pdeathsig=args.pdeathsig)
-    if args.nice:
-        os.nice(args.nice)
+    lower_priority(args.nice)
     init_logging(logging.WARNING)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the trainer, which closes us
     sock = socket.socket(fileno=args.fd)

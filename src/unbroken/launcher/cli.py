@@ -174,6 +174,9 @@ def _run(spec: largs.JobSpec, cfg: largs.lconfig.LauncherConfig, run_dir: Path) 
             auto_timeouts=cfg.auto_timeouts,
             auto_timeout_factor=cfg.auto_timeout_factor,
             observed=Observed.load(state_file),
+            on_change=lambda name, value, previous: ledger.emit(
+                ev.TUNED, name=name, value=round(value, 4), previous=previous, layer="launcher"
+            ),
         )
         workers = LocalWorkers(
             spec,

@@ -54,9 +54,10 @@ class LauncherConfig:
     """Seconds a worker may take from its start to its first heartbeat."""
     steady_timeout_s: float = 120.0
     """Seconds a worker may go between two heartbeats once it has sent one."""
-    auto_timeouts: bool = False
-    """Shrink both timeouts to the observed maxima times ``auto_timeout_factor`` (persisted)."""
-    auto_timeout_factor: float = 5.0
+    auto_timeouts: bool = True
+    """Shrink both timeouts to what the job shows it needs (calibrate.py; off when a timeout is
+    given explicitly, unless this is given too)."""
+    auto_timeout_factor: float = 16.0
     """Safety factor applied to observed heartbeat gaps when ``auto_timeouts`` is on."""
     rdzv_timeout_s: float = 600.0
     """Seconds a rendezvous round may take (the c10d join timeout, unless --rdzv-conf sets it)."""
@@ -194,4 +195,8 @@ def build(*, yaml_path: str | Path | None = None, **overrides: Any) -> LauncherC
     """Defaults, then the YAML file, then ``overrides`` (flags given; None means not given)."""
     values = load_yaml(yaml_path) if yaml_path is not None else {}
     values.update({k: v for k, v in overrides.items() if v is not None})
+    if "auto_timeouts" not in values and (
+        "initial_timeout_s" in values or "steady_timeout_s" in values
+    ):
+        values["auto_timeouts"] = False  # an explicit timeout wins
     return LauncherConfig(**values)

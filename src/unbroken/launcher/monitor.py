@@ -10,9 +10,11 @@ tests drive it with scripted heartbeats and times:
   only once the job has shown that it heartbeats (some worker of it sent one, in any round or
   in an earlier run of the agent on this run directory). An unmodified torchrun script that
   never calls ``heartbeat()`` is therefore never killed for silence;
-- with automatic timeouts, both timeouts shrink to the largest gap observed so far times a
-  safety factor (never below ``4 * heartbeat_interval_s``, never above the configured value);
-  the observations persist in ``<run_dir>/launcher/heartbeats.json`` across restarts.
+- with automatic timeouts (the default), both timeouts shrink to what the job has shown it
+  needs (``calibrate``; never above the configured value); the observations persist in
+  ``<run_dir>/launcher/heartbeats.json`` across restarts;
+- a worker "finishing" (past its last step, or restarting in-process) gets the configured
+  initial timeout until its next heartbeat without that flag.
 
 Datagrams from an earlier round or another pid are ignored.
 """
@@ -27,12 +29,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from unbroken.launcher import calibrate
 from unbroken.ledger.durable import write_atomic
 
 logger = logging.getLogger(__name__)
 
 STATE_FILE = "heartbeats.json"
-AUTO_MIN_STEADY_SAMPLES = 10
 
 
 class HeartbeatServer:
@@ -149,9 +151,11 @@ class HeartbeatTracker:
         steady_timeout_s: float,
         heartbeat_interval_s: float,
         auto_timeouts: bool = False,
-        auto_timeout_factor: float = 5.0,
+        auto_timeout_factor: float = 16.0,
         observed: Observed | None = None,
+        on_change: calibrate.OnChange | None = None,
     ) -> None:
+        """``on_change(name, value, previous)`` is told each move of an automatic timeout."""
         self.enabled = enabled
         self.initial_timeout_s = initial_timeout_s
         self.steady_timeout_s = steady_timeout_s
@@ -163,21 +167,39 @@ class HeartbeatTracker:
         self.workers: dict[int, _Worker] = {}
         self.best_step: int | None = None
         self.best_committed: int | None = None
+        self._initial = calibrate.InEffect("initial_timeout_s", initial_timeout_s, on_change)
+        self._steady = calibrate.InEffect("steady_timeout_s", steady_timeout_s, on_change)
+        self._calibrate()
 
     # --- timeouts ----------------------------------------------------------------------------
-    def _auto(self, observed_max: float, configured: float) -> float:
-        floor = 4 * self.heartbeat_interval_s
-        return min(configured, max(floor, observed_max * self.auto_timeout_factor))
+    def _calibrate(self) -> None:
+        if not (self.enabled and self.auto_timeouts):
+            return
+        o, f, i = self.observed, self.auto_timeout_factor, self.heartbeat_interval_s
+        self._initial.offer(
+            calibrate.initial_s(
+                o.initial_max_s,
+                o.initial_samples,
+                configured=self.initial_timeout_s,
+                factor=f,
+                interval_s=i,
+            )
+        )
+        self._steady.offer(
+            calibrate.steady_s(
+                o.steady_gap_max_s,
+                o.steady_samples,
+                configured=self.steady_timeout_s,
+                factor=f,
+                interval_s=i,
+            )
+        )
 
     def effective_initial_s(self) -> float:
-        if self.auto_timeouts and self.observed.initial_samples > 0:
-            return self._auto(self.observed.initial_max_s, self.initial_timeout_s)
-        return self.initial_timeout_s
+        return self._initial.value
 
     def effective_steady_s(self) -> float:
-        if self.auto_timeouts and self.observed.steady_samples >= AUTO_MIN_STEADY_SAMPLES:
-            return self._auto(self.observed.steady_gap_max_s, self.steady_timeout_s)
-        return self.steady_timeout_s
+        return self._steady.value
 
     # --- rounds ------------------------------------------------------------------------------
     def begin_round(
@@ -201,16 +223,20 @@ class HeartbeatTracker:
         ):
             return False
         first = w.first is None
+        fin = msg.get("fin") is True
         if first:
             w.first = now
             self.observed.job_heartbeats = True
             self.observed.initial_max_s = max(self.observed.initial_max_s, now - w.start)
             self.observed.initial_samples += 1
-        elif w.last is not None and not w.finishing:
+            self._calibrate()
+        elif w.last is not None and not w.finishing and not fin:
+            # A gap that ends in "finishing" (a restart in-process, the last save) is no step.
             self.observed.steady_gap_max_s = max(self.observed.steady_gap_max_s, now - w.last)
             self.observed.steady_samples += 1
+            self._calibrate()
         w.last = now
-        w.finishing = w.finishing or msg.get("fin") is True
+        w.finishing = fin
         step, committed = msg.get("step"), msg.get("committed")
         if isinstance(step, int):
             w.last_step = step
@@ -232,7 +258,7 @@ class HeartbeatTracker:
     # --- deadlines ---------------------------------------------------------------------------
     def _deadline(self, w: _Worker) -> tuple[float, float, str] | None:
         if w.last is not None and w.finishing:
-            t = self.effective_initial_s()
+            t = self.initial_timeout_s
             return w.last + t, t, "finishing"
         if w.last is not None:
             t = self.effective_steady_s()

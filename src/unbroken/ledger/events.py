@@ -37,6 +37,9 @@ RESTART_END = "restart_end"  # data: layer
 WORKER_EXIT = "worker_exit"  # data: exit_code, signal
 ESCALATE = "escalate"  # data: reason
 JOB_END = "job_end"  # data: status ("ok" | "failed"), final_state_sha256
+# A self-tuned setting took a (new) value: a calibrated hang timeout or the adaptive durable
+# checkpoint interval. data: name, value, previous (None at first), layer, basis figures.
+TUNED = "tuned"
 # An alert raised by a watcher over the ledger (the dashboard); no goodput figure reads it.
 # data: name, severity ("info" | "warning" | "page"), key (dedup), summary, labels, value
 ALERT = "alert"
@@ -59,6 +62,7 @@ KINDS = frozenset(
         WORKER_EXIT,
         ESCALATE,
         JOB_END,
+        TUNED,
         ALERT,
     }
 )

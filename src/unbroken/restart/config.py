@@ -55,6 +55,18 @@ class RankExcluded(RestartError):  # noqa: N818
         self.reason = reason
 
 
+# The timeouts' ceilings when left to calibration, and how a hard timeout follows a soft one.
+DEFAULT_SOFT_S = 60.0
+DEFAULT_HARD_S = 90.0
+DEFAULT_INITIAL_SOFT_S = 600.0
+DEFAULT_INITIAL_HARD_S = 900.0
+HARD_RATIO = 1.5
+HARD_MARGIN_S = 10.0
+"""A derived hard timeout is max(HARD_RATIO x soft, soft + HARD_MARGIN_S): time for fn to
+return after the restart was requested, before the rank is killed."""
+_TIMEOUTS = ("soft_timeout_s", "hard_timeout_s", "initial_soft_timeout_s", "initial_hard_timeout_s")
+
+
 @dataclass(frozen=True, kw_only=True)
 class RestartConfig:
     """How ``unbroken.restart.run`` detects faults and restarts ``fn``. Durations in seconds."""
@@ -68,14 +80,27 @@ class RestartConfig:
     max_restore_point_faults: int = 3
     """This many consecutive faults from the same restore point (the first step an iteration
     completes, i.e. the checkpoint it resumed from) escalates."""
-    soft_timeout_s: float = 60.0
-    """No step heartbeat for this long: the rank is declared hung and all ranks restart."""
-    hard_timeout_s: float = 90.0
-    """No step heartbeat for this long: the rank is killed (SIGKILL) for the launcher."""
-    initial_soft_timeout_s: float = 600.0
-    """The soft timeout before an iteration's first step (model build, checkpoint load)."""
-    initial_hard_timeout_s: float = 900.0
-    """The hard timeout before an iteration's first step."""
+    soft_timeout_s: float | None = None
+    """No progress heartbeat for this long: the rank is declared hung and all ranks restart.
+    None: calibrated from the job's own progress gaps (``calibrate.py``), at most 60 s."""
+    hard_timeout_s: float | None = None
+    """No progress heartbeat for this long: the rank is killed (SIGKILL) for the launcher.
+    None: max(1.5 x, 10 s +) the soft timeout in effect, at most 90 s (or 1.5 x an explicit
+    soft timeout)."""
+    initial_soft_timeout_s: float | None = None
+    """The soft timeout before an iteration's first step (model build, checkpoint load). None:
+    calibrated from the observed first-step durations, at most 600 s."""
+    initial_hard_timeout_s: float | None = None
+    """The hard timeout before an iteration's first step. None: derived like the hard one, at
+    most 900 s."""
+    timeout_factor: float = 8.0
+    """Calibrated timeouts are this many times the largest recent gap (or first-step time)."""
+    timeout_floor_s: float = 1.0
+    """A calibrated soft timeout is never below this."""
+    initial_timeout_floor_s: float = 60.0
+    """A calibrated initial soft timeout is never below this."""
+    timeout_warmup: int = 20
+    """Progress gaps observed before the soft timeout is calibrated (until then: the ceiling)."""
     exit_timeout_s: float = 30.0
     """After a restart was requested, ``fn`` must have returned within this, else the rank is
     killed (it is stuck in native code that no abort reaches)."""
@@ -111,32 +136,41 @@ class RestartConfig:
         for name in ("monitor_interval_s", "exit_timeout_s", "pg_timeout_s", "store_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if not self.timeout_factor > 1:
+            raise ValueError(f"timeout_factor must be > 1, got {self.timeout_factor}")
+        if self.timeout_warmup < 1:
+            raise ValueError(f"timeout_warmup must be >= 1, got {self.timeout_warmup}")
+        for name in ("timeout_floor_s", "initial_timeout_floor_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        for name in _TIMEOUTS:
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise ValueError(f"{name} must be > 0 or None (calibrated), got {value}")
+        soft, hard, isoft, ihard = self.ceilings()
+        names = {n: f"{n} (in effect)" if getattr(self, n) is None else n for n in _TIMEOUTS}
         order = [
             ("monitor_interval_s", self.monitor_interval_s),
-            ("soft_timeout_s", self.soft_timeout_s),
-            ("hard_timeout_s", self.hard_timeout_s),
+            (names["soft_timeout_s"], soft),
+            (names["hard_timeout_s"], hard),
             ("barrier_timeout_s", self.barrier_timeout_s),
         ]
         self._check_order(order)
         self._check_order(
             [
-                ("soft_timeout_s", self.soft_timeout_s),
-                ("initial_soft_timeout_s", self.initial_soft_timeout_s),
-                ("initial_hard_timeout_s", self.initial_hard_timeout_s),
+                (names["soft_timeout_s"], soft),
+                (names["initial_soft_timeout_s"], isoft),
+                (names["initial_hard_timeout_s"], ihard),
             ],
             strict=False,
         )
         self._check_order(
-            [
-                ("hard_timeout_s", self.hard_timeout_s),
-                ("initial_hard_timeout_s", self.initial_hard_timeout_s),
-            ],
+            [(names["hard_timeout_s"], hard), (names["initial_hard_timeout_s"], ihard)],
             strict=False,
         )
-        if self.initial_hard_timeout_s <= self.initial_soft_timeout_s:
+        if ihard <= isoft:
             raise ValueError(
-                f"initial_hard_timeout_s ({self.initial_hard_timeout_s}) must be > "
-                f"initial_soft_timeout_s ({self.initial_soft_timeout_s})"
+                f"initial_hard_timeout_s ({ihard}) must be > initial_soft_timeout_s ({isoft})"
             )
         if self.exit_timeout_s >= self.barrier_timeout_s:
             raise ValueError(
@@ -162,11 +196,35 @@ class RestartConfig:
                     f"{' < '.join(n for n, _ in pairs)}"
                 )
 
+    def ceilings(self) -> tuple[float, float, float, float]:
+        """(soft, hard, initial soft, initial hard): the explicit values, and for each one left
+        None the most calibration may give it (the defaults, kept in order with the explicit
+        ones)."""
+        soft = self.soft_timeout_s
+        if soft is None:
+            soft = (
+                DEFAULT_SOFT_S
+                if self.hard_timeout_s is None
+                else min(DEFAULT_SOFT_S, self.hard_timeout_s / HARD_RATIO)
+            )
+        hard = self.hard_timeout_s
+        if hard is None:
+            hard = max(DEFAULT_HARD_S, HARD_RATIO * soft)
+        isoft = self.initial_soft_timeout_s
+        if isoft is None:
+            isoft = max(DEFAULT_INITIAL_SOFT_S, soft)
+            if self.initial_hard_timeout_s is not None:
+                isoft = max(soft, min(isoft, self.initial_hard_timeout_s / HARD_RATIO))
+        ihard = self.initial_hard_timeout_s
+        if ihard is None:
+            ihard = max(DEFAULT_INITIAL_HARD_S, HARD_RATIO * isoft, hard)
+        return soft, hard, isoft, ihard
+
     def timeouts(self, *, initial: bool) -> tuple[float, float]:
-        """(soft, hard) progress timeouts before (initial) or after an iteration's first step."""
-        if initial:
-            return self.initial_soft_timeout_s, self.initial_hard_timeout_s
-        return self.soft_timeout_s, self.hard_timeout_s
+        """(soft, hard) ceilings before (initial) or after an iteration's first step; the
+        watchdog asks ``calibrate.Calibrator`` for the values in effect."""
+        soft, hard, isoft, ihard = self.ceilings()
+        return (isoft, ihard) if initial else (soft, hard)
 
 
 def parse_addr(addr: str) -> tuple[str, int]:

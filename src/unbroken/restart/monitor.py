@@ -32,6 +32,7 @@ from typing import Any
 from unbroken.ledger import Recorder
 from unbroken.ledger import events as ev
 from unbroken.restart import assign
+from unbroken.restart.calibrate import Calibrator
 from unbroken.restart.config import RestartConfig
 from unbroken.restart.interrupt import Interrupter, python_probe
 from unbroken.restart.pg import Transport
@@ -86,11 +87,12 @@ class Monitor:
         interrupter: Interrupter,
         store: StoreHost,
         kill: Callable[[], None] = _sigkill_self,
+        calibrator: Calibrator | None = None,
     ) -> None:
         self.config = config
         self.ledger = ledger
         self.interrupter = interrupter
-        self.watchdog = Watchdog(config)
+        self.watchdog = Watchdog(config, calibrator)
         self._kill_fn = kill
         self._probe = python_probe()
         self._backstop = Backstop(config.backstop_margin_s)

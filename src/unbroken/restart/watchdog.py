@@ -8,8 +8,12 @@ Two questions, two signals:
   loop, a swallowed error); one that runs no Python is *stuck* in native code (a collective
   whose peer never comes, a deadlock). The kind names the cause; the action is the same.
 
-This module only decides; it owns no thread and does no I/O, so tests drive it with a fake
-clock. ``monitor.Monitor`` calls ``evaluate`` every ``monitor_interval_s`` from its own
+The timeouts come from ``calibrate.Calibrator``: the watchdog hands it every progress gap of
+the steady phase (outside ``no_hang_protection`` regions and pending restarts) and every
+iteration's time to its first step, and asks it for the timeouts in effect.
+
+This module only decides; it owns no thread and does no I/O of its own (the calibrator writes a
+small file when a calibrated value moves), so tests drive it with a fake clock. ``monitor.Monitor`` calls ``evaluate`` every ``monitor_interval_s`` from its own
 thread, never from one that waits on the store, so checks fire on time whatever the message
 traffic. A main thread that holds the GIL in native code starves every Python thread; the
 ``Backstop`` (faulthandler's C timer) ends the process then.
@@ -23,6 +27,7 @@ import sys
 import threading
 from dataclasses import dataclass
 
+from unbroken.restart.calibrate import Calibrator
 from unbroken.restart.config import RestartConfig
 
 logger = logging.getLogger(__name__)
@@ -69,9 +74,11 @@ _QUIET = Verdict(NONE)
 class Watchdog:
     """Progress deadlines of one rank; every method takes ``now`` (monotonic seconds)."""
 
-    def __init__(self, config: RestartConfig) -> None:
+    def __init__(self, config: RestartConfig, calibrator: Calibrator | None = None) -> None:
         self.config = config
+        self.calibrator = calibrator or Calibrator(config)
         self.armed = False
+        self.armed_at = 0.0
         self.first_step_seen = False
         self.last_progress = 0.0
         self.protect_depth = 0
@@ -80,6 +87,7 @@ class Watchdog:
     def arm(self, now: float) -> None:
         """fn is about to be called: initial timeouts run from now."""
         self.armed = True
+        self.armed_at = now
         self.first_step_seen = False
         self.last_progress = now
         self.protect_depth = 0
@@ -89,7 +97,12 @@ class Watchdog:
         self.armed = False
 
     def progress(self, now: float, *, step: bool) -> None:
-        """A heartbeat; ``step`` ends the initial phase."""
+        """A heartbeat; ``step`` ends the initial phase. Feeds the calibration."""
+        if self.protect_depth == 0 and self.requested_at is None:
+            if self.first_step_seen:
+                self.calibrator.gap(now - self.last_progress)
+            elif step:
+                self.calibrator.first_step(now - self.armed_at)
         self.last_progress = now
         if step:
             self.first_step_seen = True
@@ -109,7 +122,7 @@ class Watchdog:
     def evaluate(self, now: float, *, silent_s: float) -> Verdict:
         if not self.armed:
             return _QUIET
-        soft, hard = self.config.timeouts(initial=not self.first_step_seen)
+        soft, hard = self.calibrator.timeouts(initial=not self.first_step_seen)
         idle = now - self.last_progress
         protected = self.protect_depth > 0
         if self.requested_at is not None:
@@ -132,7 +145,7 @@ class Watchdog:
         in Python must own up to it rather than pass for the peer's victim."""
         if not self.armed or self.protect_depth > 0 or self.requested_at is not None:
             return None
-        soft, _ = self.config.timeouts(initial=not self.first_step_seen)
+        soft, _ = self.calibrator.timeouts(initial=not self.first_step_seen)
         if now - self.last_progress < 0.5 * soft:
             return None
         return self._kind(silent_s, soft)
@@ -146,7 +159,7 @@ class Watchdog:
         """Monotonic time at which ``evaluate`` will say KILL, or None (not armed/protected)."""
         if not self.armed:
             return None
-        _, hard = self.config.timeouts(initial=not self.first_step_seen)
+        _, hard = self.calibrator.timeouts(initial=not self.first_step_seen)
         limits = []
         if self.protect_depth == 0:
             limits.append(self.last_progress + hard)

@@ -35,6 +35,7 @@ from unbroken.ledger import NULL, Recorder
 from unbroken.ledger import events as ev
 from unbroken.restart import assign, pg
 from unbroken.restart.barrier import Between
+from unbroken.restart.calibrate import Calibrator, state_path
 from unbroken.restart.config import (
     Escalated,
     RankExcluded,
@@ -148,8 +149,17 @@ class _Runner:
                 member=self.member,
                 local_rank=env.local_rank,
             )
+            calibrator = Calibrator(
+                config,
+                ledger=ledger,
+                path=None if env.run_dir is None else state_path(env.run_dir, self.member),
+            )
             self.monitor = Monitor(
-                config=config, ledger=self.ledger, interrupter=self.interrupter, store=self.host
+                config=config,
+                ledger=self.ledger,
+                interrupter=self.interrupter,
+                store=self.host,
+                calibrator=calibrator,
             )
         except BaseException:
             self.host.close()

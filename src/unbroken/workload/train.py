@@ -50,6 +50,7 @@ from torch.distributed.elastic.multiprocessing.errors import get_error_handler, 
 
 from unbroken import heartbeat, restart
 from unbroken.checkpoint import Checkpointer, PerRank, WriterHooks
+from unbroken.checkpoint.interval import AdaptiveInterval
 from unbroken.env import WorkerEnv
 from unbroken.faults import FaultInjector, FaultPlan, load_plan
 from unbroken.ledger import Ledger, install_sigterm_flush, process_start_time
@@ -59,6 +60,7 @@ from unbroken.ledger.owner import DirectoryOwned
 from unbroken.log import init_logging
 from unbroken.workload import data as wdata
 from unbroken.workload import model as wmodel
+from unbroken.workload import saving
 from unbroken.workload.dist import default_backend, init_process_group
 from unbroken.workload.parallel import wrap_model
 from unbroken.workload.rng import capture_rng_state, restore_rng_state
@@ -107,10 +109,16 @@ def build_parser() -> argparse.ArgumentParser:
         help="no in-process restart: a fault ends the process (the launcher restarts it)",
     )
     p.add_argument(
-        "--soft-timeout-s", type=float, default=60.0, help="no step for this long: restart"
+        "--soft-timeout-s",
+        type=float,
+        default=None,
+        help="no step for this long: restart (default: calibrated from the step times, <= 60 s)",
     )
     p.add_argument(
-        "--hard-timeout-s", type=float, default=90.0, help="no step for this long: kill the rank"
+        "--hard-timeout-s",
+        type=float,
+        default=None,
+        help="no step for this long: kill the rank (default: derived from the soft timeout)",
     )
     p.add_argument(
         "--max-rank-faults",
@@ -131,6 +139,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="a save due while the previous one persists: skip it, or wait for the previous",
     )
     p.set_defaults(job=None)  # this job's identity, set by main (job_identity)
+    saving.add_flags(p)
     return p
 
 
@@ -247,9 +256,19 @@ def train(args: argparse.Namespace, env: WorkerEnv, ledger: Ledger, run_dir: Pat
         agent_pid=env.agent_pid,
     )
     device = _device(args.device, env)
+    policy = saving.policy_for(
+        args,
+        ckpt_dir=Path(args.ckpt_dir) if args.ckpt_dir else run_dir / "ckpt",
+        ledger=ledger,
+        relaunched=env.restart_count > 0,
+    )
 
     def once(ctx: Any) -> str:
+        if policy is not None and getattr(ctx, "cause", None) is not None:
+            policy.restarted()
         ctx.add_step_hook(injector.on_step)
+        if not args.no_inprocess:  # fn ended (a restart): the launcher's step-sized timeout
+            ctx.add_exit_hook(lambda error: heartbeat(finishing=True) if error else None)
         return train_once(
             ctx,
             args,
@@ -258,6 +277,7 @@ def train(args: argparse.Namespace, env: WorkerEnv, ledger: Ledger, run_dir: Pat
             device=device,
             global_batch=global_batch,
             hooks=injector.writer_hooks(),
+            policy=policy,
         )
 
     if not args.no_inprocess:
@@ -266,7 +286,7 @@ def train(args: argparse.Namespace, env: WorkerEnv, ledger: Ledger, run_dir: Pat
             pg_timeout_s=args.pg_timeout_s,
             soft_timeout_s=args.soft_timeout_s,
             hard_timeout_s=args.hard_timeout_s,
-            barrier_timeout_s=args.hard_timeout_s + 60.0,
+            barrier_timeout_s=max(120.0, (args.hard_timeout_s or 0.0) + 60.0),
             max_rank_faults=args.max_rank_faults,
         )
         return restart.run(once, config=config, ledger=ledger, env=env)
@@ -293,11 +313,13 @@ def train_once(
     device: torch.device,
     global_batch: int,
     hooks: WriterHooks | None = None,
+    policy: AdaptiveInterval | None = None,
 ) -> str:
     """The training loop in the process group that exists, from the newest checkpoint (or step
     0); returns the final state hash. ``ctx`` is a RestartContext: ``run`` calls this again
     after an in-process restart, possibly with fewer ranks. ``hooks`` go to the checkpoint
-    writer (the fault plan's, see ``FaultInjector.writer_hooks``)."""
+    writer (the fault plan's, see ``FaultInjector.writer_hooks``); ``policy``: the adaptive
+    save interval (``saving``)."""
     rank, world_size = ctx.rank, ctx.world_size
     if global_batch % world_size:
         raise ValueError(f"global batch {global_batch} does not divide the world size {world_size}")
@@ -339,6 +361,9 @@ def train_once(
             restored = ckpt.restore(state)
             start = 0 if restored is None else restored + 1
             ledger.mark()
+        saver = None
+        if ckpt is not None:
+            saver = saving.Saver(ckpt, policy, start=start, rank=rank, device=device)
         for step in range(start, args.steps):
             inputs, targets = dataset.get_batch(sampler.next_indices())
             inputs, targets = inputs.to(device), targets.to(device)
@@ -353,9 +378,8 @@ def train_once(
             if rank == 0 and (step % args.log_every == 0 or step == args.steps - 1):
                 logger.info("step %d loss %.4f", step, loss_value)
             ctx.step_done(step, loss=loss_value)  # ledger step, heartbeat, fault injector
-            if ckpt is not None:
-                with ctx.no_hang_protection():  # a sync save, or one waiting for the last
-                    ckpt.maybe_save(step, state)
+            if saver is not None:
+                saver.step_done(step, state, ctx)
         with ledger.phase("shutdown"):
             # The last save's commit and the exit are no step: the launcher's finishing timeout.
             heartbeat(
