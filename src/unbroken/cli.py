@@ -1,5 +1,5 @@
 """The ``unbroken`` umbrella CLI: reports, the dashboard, the knowledge base, fault plans,
-benchmarks, Kubernetes manifests."""
+benchmarks, Kubernetes manifests, the goodput planner."""
 
 from __future__ import annotations
 
@@ -120,6 +120,7 @@ BENCHES: dict[str, tuple[str, str]] = {
     "dashboard": ("dashboard", "what watching a job costs: refresh on a long run, step time"),
     "inprocess": ("inprocess", "in-process restart: exception, stuck collective, Python hang"),
     "k8s": ("k8s", "node loss on the emulated Kubernetes cluster: hot spare, replacement, alone"),
+    "scale": ("scale", "control-plane scaling curves: heartbeats, rendezvous, commit, report"),
 }
 
 
@@ -176,6 +177,12 @@ def build_parser() -> argparse.ArgumentParser:
     k8 = sub.add_parser("k8s", help="Kubernetes: render and validate manifests, the store pod")
     k8s_cli.add_arguments(k8)
     k8.set_defaults(func=k8s_cli.main)
+
+    from unbroken.plan import cli as plan_cli
+
+    pl = sub.add_parser("plan", help="predicted goodput per layering, checkpoint interval, spares")
+    plan_cli.add_arguments(pl)
+    pl.set_defaults(func=plan_cli.main)
 
     b = sub.add_parser("bench", help="benchmarks")
     bsub = b.add_subparsers(dest="bench", required=True)
