@@ -23,11 +23,15 @@ def _cmd_report(args: argparse.Namespace) -> int:
 
     views = []
     for run_dir in args.run_dirs:
-        result = read_run(run_dir)
-        if not result.events:
+        # Other ranks' steps folded (the same figures, a fraction of the memory), unless the
+        # HTML report draws them.
+        result = read_run(run_dir, fold_steps_except=None if args.html else args.reference_rank)
+        if not result.events and not (result.digest and result.digest.count):
             print(f"error: the ledger in {run_dir} has no records", file=sys.stderr)
             return 2
-        rep = goodput.compute(result.events, reference_rank=args.reference_rank)
+        rep = goodput.compute(
+            result.events, reference_rank=args.reference_rank, digest=result.digest
+        )
         views.append(RunView(Path(run_dir).name, rep, result.events))
         if args.json:
             text = report.to_json(rep)

@@ -69,10 +69,10 @@ class Measured:
 
 def _report_and_loads(path: Path) -> tuple[dict[str, Any], dict[str, list[float]]]:
     if path.is_dir():
-        result = read_run(path)
+        result = read_run(path, fold_steps_except=0)
         if not result.events:
             raise ValueError(f"the ledger in {path} has no records; is it a run directory?")
-        rep = goodput.compute(result.events)
+        rep = goodput.compute(result.events, digest=result.digest)
         loads: dict[str, list[float]] = defaultdict(list)
         fault_ts = [f.fault_ts for f in rep.faults if f.disruptive]
         for e in result.events:
