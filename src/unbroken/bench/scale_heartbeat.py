@@ -68,6 +68,7 @@ def sender(
         raise SystemExit(0)
 
     signal.signal(signal.SIGTERM, stop)
+    print("ready", flush=True)
     t0 = time.monotonic()
     k = 0  # datagrams due so far: k // n is the step, k % n the rank
     while True:

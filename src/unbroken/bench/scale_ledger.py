@@ -107,15 +107,14 @@ def _report(run_dir: str, mode: str) -> tuple[dict[str, Any], float]:
 
 
 def _baseline_rss() -> int:
-    code = _CHILD.split("t = time")[0] + (
-        "hwm = [int(l.split()[1]) * 1024 for l in open('/proc/self/status') "
-        "if l.startswith('VmHWM:')][0]\nprint(hwm)"
+    """Peak resident memory of an interpreter that imported the report code and read nothing."""
+    code = (
+        "from unbroken.ledger import goodput, read_run\n"
+        "print([int(x.split()[1]) * 1024 for x in open('/proc/self/status') "
+        "if x.startswith('VmHWM:')][0])"
     )
-    return int(
-        subprocess.run(
-            [sys.executable, "-c", code], capture_output=True, text=True, check=True
-        ).stdout
-    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    return int(proc.stdout)
 
 
 def measure(ranks: int, steps: int, *, base_rss: int | None = None) -> dict[str, Any]:
