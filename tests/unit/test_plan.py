@@ -45,6 +45,13 @@ def test_the_published_training_goodput_is_reproduced() -> None:
         assert abs(c.delta_points) <= TOLERANCE["published"], c
 
 
+def test_the_published_checkpoint_efficiencies_fall_in_their_ranges() -> None:
+    doc = scenarios.data("published")["checkpoint_efficiency"]
+    got = {c.layering: c.predicted for c in scenarios.published_efficiency_checks()}
+    assert doc["sync"][0] <= got["sync saves"] <= doc["sync"][1]
+    assert doc["async"][0] <= got["async saves"] <= doc["async"][1]
+
+
 def test_from_a_summary_reproduces_its_own_run() -> None:
     doc = scenarios.data("run200-inprocess")
     m = pmeasured.from_report(doc)

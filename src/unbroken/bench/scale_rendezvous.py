@@ -5,7 +5,7 @@ re-forming it after one agent is SIGKILLed, a hot spare taking its place.
 Stood in: everything of an agent but its rendezvous (no workers, no heartbeats). The job store
 lives in this process (as the store pod does on Kubernetes: no agent's loss takes it along).
 The job is ``--nnodes n`` (min = max = n) plus one spare, which waits on the rendezvous'
-redundancy list; keep-alive 0.25 s x 4, state polled every 50 ms. Measured:
+redundancy list; keep-alive 0.5 s x 6, state polled every 50 ms. Measured:
 
 - form: "go" -> the last of the n agents has its ``RoundInfo``;
 - notice: the SIGKILL -> the last survivor sees the node gone (``membership()``, the agent's
@@ -21,11 +21,14 @@ import selectors
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from typing import Any
 
-KEEP_ALIVE_S = 0.25
-KEEP_ALIVE_ATTEMPTS = 4
+# A node is lost after 3 s of silence: shorter (0.25 s x 4) drops healthy agents of a loaded
+# machine from the round while it forms (torch's default is 5 s x 3).
+KEEP_ALIVE_S = 0.5
+KEEP_ALIVE_ATTEMPTS = 6
 POLL_S = 0.05
 
 
@@ -72,12 +75,14 @@ def agent(port: int, n: int) -> None:
 class _Agents:
     def __init__(self, port: int, count: int, n: int) -> None:
         code = f"from unbroken.bench.scale_rendezvous import agent; agent({port}, {n})"
+        # the agents' stderr, shown on a failure; closed by close()
+        self.errs = tempfile.TemporaryFile(mode="w+")  # noqa: SIM115
         self.procs = [
             subprocess.Popen(
                 [sys.executable, "-c", code],
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
-                stderr=subprocess.DEVNULL,
+                stderr=self.errs,
                 text=True,
                 bufsize=1,
                 env=dict(os.environ, OMP_NUM_THREADS="1"),
@@ -102,9 +107,16 @@ class _Agents:
         deadline = time.monotonic() + timeout_s
         while len(got) < len(want):
             left = deadline - time.monotonic()
-            if left <= 0:
+            dead = [i for i in want if i not in got and self.procs[i].poll() is not None]
+            if left <= 0 or dead:
                 missing = sorted(set(want) - set(got))
-                raise TimeoutError(f"agents {missing} did not report {want[missing[0]]!r}")
+                self.errs.seek(0)
+                tail = self.errs.read()[-3000:]
+                raise RuntimeError(
+                    f"agents {missing} did not report {want[missing[0]]!r}"
+                    + (f" ({dead} exited)" if dead else "")
+                    + f"; their stderr ends:\n{tail}"
+                )
             for key, _ in self.sel.select(timeout=left):
                 i = key.data
                 line = key.fileobj.readline()  # type: ignore[union-attr]
@@ -126,6 +138,7 @@ class _Agents:
                 if f is not None:
                     f.close()
         self.sel.close()
+        self.errs.close()
 
 
 def measure(n: int, *, timeout_s: float = 300.0) -> dict[str, Any]:

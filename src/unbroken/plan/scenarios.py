@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 from importlib import resources
@@ -176,24 +177,49 @@ def published_checks() -> list[Check]:
     return out
 
 
+def published_efficiency_checks() -> list[Check]:
+    """Checkpoint efficiency (1 / (1 + stall)) with the assumed storage, synchronous and
+    asynchronous saves, against the middle of the published ranges."""
+    doc = data("published")["checkpoint_efficiency"]
+    out = []
+    for mode, is_async in (("sync", False), ("async", True)):
+        cfg = dataclasses.replace(published_config(), async_checkpoint=is_async)
+        pred = predict(cfg, "launcher")
+        out.append(
+            Check(
+                scenario="published 16 H100",
+                layering=f"{mode} saves",
+                figure="checkpoint_efficiency",
+                expected=sum(doc[mode]) / 2,
+                predicted=1 / (1 + pred.stall),
+            )
+        )
+    return out
+
+
 def checks() -> list[Check]:
     """Every validation: the demo, the real run, the published run."""
-    return demo_checks() + run200_checks() + published_checks()
+    return demo_checks() + run200_checks() + published_checks() + published_efficiency_checks()
 
 
 # --- the README's scale table ---------------------------------------------------------------
+MODELS = ((64, 8e9), (1024, 70e9), (16_384, 405e9))
+"""Llama 3 sizes by job size: up to 64 GPUs 8B, up to 1k 70B, beyond 405B parameters."""
+
+
 def scale_config(gpus: int, *, days: float = 7.0) -> PlanConfig:
-    """A Llama-3-like job of ``gpus`` H100s at Llama 3's interruption rate, 1 s steps, an 8B
-    model's state per 16 GPUs (16 bytes per parameter), 100 GB/s of storage per 1k GPUs."""
-    nodes = max(1, gpus // 8)
+    """A Llama-3-like job of ``gpus`` H100s for ``days`` at Llama 3's interruption rate and
+    causes, 1 s steps; the model by size (``MODELS``), 16 bytes of checkpoint per parameter;
+    storage 100 GB/s per 1k GPUs (at least 10 GB/s); 25 GB/s per GPU into host memory."""
+    params = next((p for limit, p in MODELS if gpus <= limit), MODELS[-1][1])
     rate = {kind: LLAMA3_RATE * share for kind, share in LLAMA3_SHARES.items()}
     return PlanConfig(
-        nodes=nodes,
+        nodes=max(1, gpus // 8),
         gpus_per_node=8,
         steps=int(days * 86400),
         step_time_s=1.0,
         failures_per_gpu_hour=rate,
-        state_bytes=16 * 8e9 * gpus / 16,
+        state_bytes=16 * params,
         storage_bytes_per_s=max(10e9, 100e9 * gpus / 1024),
         stage_bytes_per_s=25e9,
         startup_s=300.0,
