@@ -115,7 +115,7 @@ def test_the_merge_reads_the_same_records_and_restores_gc(tmp_path: Path, enable
 
 def test_gc_is_restored_when_the_merge_fails(tmp_path: Path) -> None:
     assert gc.isenabled()
-    with pytest.raises(ZeroDivisionError), commit.gc_paused():
+    with pytest.raises(ZeroDivisionError), layout.gc_paused():
         assert not gc.isenabled()
         raise ZeroDivisionError
     assert gc.isenabled()

@@ -135,7 +135,8 @@ def measure(n: int, *, tensors: int = 32) -> dict[str, Any]:
             assert steps == [STEP], steps
             names = layout.manifest_files(ckpt)
             why = layout.verify(ckpt, files=names[0::n])
-            md = FileSystemReader(ckpt).read_metadata()
+            with layout.gc_paused():  # as restore() reads it
+                md = FileSystemReader(ckpt).read_metadata()
             assert len(md.state_dict_metadata) == tensors + 1
             return why
 

@@ -9,16 +9,14 @@ flatten mapping, the replicated items it holds, and its files' sizes and CRC-32s
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import gc
 import logging
 import os
 import pickle
 import time
 import uuid
 from collections import ChainMap
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -60,26 +58,10 @@ def wait_for_ranks(
             raise TimeoutError(f"ranks {missing} did not finish writing {part.name} in time")
         time.sleep(POLL_S)
     at("done")
-    with gc_paused():
+    with layout.gc_paused():
         return [
             pickle.loads((part / layout.done_record(r)).read_bytes()) for r in range(world_size)
         ]
-
-
-@contextlib.contextmanager
-def gc_paused() -> Iterator[None]:
-    """No cyclic garbage collection inside (restored after, as it was).
-
-    Unpickling and merging n ranks' records allocates millions of small objects and no
-    cycles; the collector's passes over them made the merge quadratic in the ranks (1024
-    ranks: 6.2 s with it, 0.7 s without; ``unbroken bench scale``)."""
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
 
 
 def abandon_reason(part: Path, names: set[str] | None = None) -> str | None:
@@ -152,7 +134,7 @@ def publish(
     Calls ``at("manifest")`` before the rename and ``at("renamed")`` before ``COMMITTED``."""
     part = layout.partial_dir(root, step)
     final = layout.step_dir(root, step)
-    with gc_paused():
+    with layout.gc_paused():
         md = build_metadata(records, checkpoint_id=str(final))
         payload = pickle.dumps(md)
     files = {name: entry for rec in records for name, entry in rec["files"].items()}

@@ -9,6 +9,8 @@ and exits 1 when one is outside its tolerance.
 from __future__ import annotations
 
 import argparse
+import ast
+import inspect
 import json
 import sys
 from pathlib import Path
@@ -52,12 +54,37 @@ _MAPPINGS = (
 )
 
 
+def field_docs() -> dict[str, str]:
+    """PlanConfig's one-line field docstrings, by field (the flags' help)."""
+    tree = ast.parse(inspect.getsource(PlanConfig))
+    body = tree.body[0].body  # type: ignore[attr-defined]
+    out = {}
+    for node, nxt in zip(body, body[1:], strict=False):
+        named = isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
+        if named and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant):
+            assert isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
+            out[node.target.id] = " ".join(str(nxt.value.value).split())
+    return out
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    docs = field_docs()
     for name, kind in _NUMBERS:
-        doc = PlanConfig.__dataclass_fields__[name].default
-        p.add_argument(f"--{name.replace('_', '-')}", type=kind, default=None, help=f"({doc})")
+        default = PlanConfig.__dataclass_fields__[name].default
+        p.add_argument(
+            f"--{name.replace('_', '-')}",
+            type=kind,
+            default=None,
+            help=f"{docs.get(name, '')} (default {default})".replace("%", "%%"),
+        )
     for name, metavar, _ in _MAPPINGS:
-        p.add_argument(f"--{name.replace('_', '-')}", nargs="+", metavar=metavar, default=None)
+        p.add_argument(
+            f"--{name.replace('_', '-')}",
+            nargs="+",
+            metavar=metavar,
+            default=None,
+            help=docs.get(name, "").replace("%", "%%"),
+        )
     p.add_argument("--llama3", action="store_true", help="Llama 3's interruption rate and causes")
     p.add_argument("--sync-checkpoint", action="store_true", help="durable saves block the step")
     p.add_argument("--no-memory-tier", action="store_true", help="no snapshots in host memory")
