@@ -1,5 +1,5 @@
 """The ``unbroken`` umbrella CLI: reports, the dashboard, the knowledge base, fault plans,
-benchmarks, Kubernetes manifests."""
+benchmarks, Kubernetes manifests, the goodput planner."""
 
 from __future__ import annotations
 
@@ -23,11 +23,15 @@ def _cmd_report(args: argparse.Namespace) -> int:
 
     views = []
     for run_dir in args.run_dirs:
-        result = read_run(run_dir)
-        if not result.events:
+        # Other ranks' steps folded (the same figures, a fraction of the memory), unless the
+        # HTML report draws them.
+        result = read_run(run_dir, fold_steps_except=None if args.html else args.reference_rank)
+        if not result.events and not (result.digest and result.digest.count):
             print(f"error: the ledger in {run_dir} has no records", file=sys.stderr)
             return 2
-        rep = goodput.compute(result.events, reference_rank=args.reference_rank)
+        rep = goodput.compute(
+            result.events, reference_rank=args.reference_rank, digest=result.digest
+        )
         views.append(RunView(Path(run_dir).name, rep, result.events))
         if args.json:
             text = report.to_json(rep)
@@ -120,6 +124,7 @@ BENCHES: dict[str, tuple[str, str]] = {
     "dashboard": ("dashboard", "what watching a job costs: refresh on a long run, step time"),
     "inprocess": ("inprocess", "in-process restart: exception, stuck collective, Python hang"),
     "k8s": ("k8s", "node loss on the emulated Kubernetes cluster: hot spare, replacement, alone"),
+    "scale": ("scale", "control-plane scaling curves: heartbeats, rendezvous, commit, report"),
 }
 
 
@@ -176,6 +181,12 @@ def build_parser() -> argparse.ArgumentParser:
     k8 = sub.add_parser("k8s", help="Kubernetes: render and validate manifests, the store pod")
     k8s_cli.add_arguments(k8)
     k8.set_defaults(func=k8s_cli.main)
+
+    from unbroken.plan import cli as plan_cli
+
+    pl = sub.add_parser("plan", help="predicted goodput per layering, checkpoint interval, spares")
+    plan_cli.add_arguments(pl)
+    pl.set_defaults(func=plan_cli.main)
 
     b = sub.add_parser("bench", help="benchmarks")
     bsub = b.add_subparsers(dest="bench", required=True)

@@ -61,8 +61,9 @@ RULES: dict[str, tuple[str, ...]] = {
     "dashboard": ("version", "ledger", "kb"),
     "kb": ("env", "ledger"),
     "k8s": ("launcher",),
+    "plan": ("ledger",),
     "bench": ("unbroken", *_LIBRARY, "workload", "dashboard", "kb", "k8s"),
-    "cli": ("unbroken", *_LIBRARY, "workload", "bench", "dashboard", "kb", "k8s"),
+    "cli": ("unbroken", *_LIBRARY, "workload", "bench", "dashboard", "kb", "k8s", "plan"),
 }
 
 # Whose docstring is not the place for the rule, and why.

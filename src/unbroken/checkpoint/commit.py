@@ -64,7 +64,10 @@ def wait_for_ranks(
             raise TimeoutError(f"ranks {missing} did not finish writing {part.name} in time")
         time.sleep(POLL_S)
     at("done")
-    return [pickle.loads((part / layout.done_record(r)).read_bytes()) for r in range(world_size)]
+    with layout.gc_paused():
+        return [
+            pickle.loads((part / layout.done_record(r)).read_bytes()) for r in range(world_size)
+        ]
 
 
 def abandon_reason(part: Path, names: set[str] | None = None) -> str | None:
@@ -137,8 +140,9 @@ def publish(
     Calls ``at("manifest")`` before the rename and ``at("renamed")`` before ``COMMITTED``."""
     part = layout.partial_dir(root, step)
     final = layout.step_dir(root, step)
-    md = build_metadata(records, checkpoint_id=str(final))
-    payload = pickle.dumps(md)
+    with layout.gc_paused():
+        md = build_metadata(records, checkpoint_id=str(final))
+        payload = pickle.dumps(md)
     files = {name: entry for rec in records for name, entry in rec["files"].items()}
     md_crc = layout.write_durable(part / layout.DCP_METADATA, payload)
     files[layout.DCP_METADATA] = layout.file_entry(len(payload), md_crc)

@@ -21,6 +21,7 @@ Nothing here imports torch.
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
 import logging
 import os
@@ -29,7 +30,7 @@ import shutil
 import time
 import uuid
 import zlib
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -74,6 +75,23 @@ def skip_marker(rank: int) -> str:
 
 def fail_marker(rank: int) -> str:
     return f".rank-{rank}.failed"
+
+
+@contextlib.contextmanager
+def gc_paused() -> Iterator[None]:
+    """No cyclic garbage collection inside (restored after, as it was).
+
+    Unpickling n ranks' done records, or DCP's global metadata of an n-rank checkpoint,
+    allocates millions of small objects and no cycles; the collector's passes over them made
+    the commit merge and the restore's metadata read quadratic in the ranks (1024 ranks: 6.2
+    s and 4.3 s with it, 0.7 s and 0.3 s without; ``unbroken bench scale``)."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 # --- durability ------------------------------------------------------------------------------

@@ -183,11 +183,13 @@ def restore(
             continue
         _check_owner(ckpt, run=run, allow_foreign=allow_foreign)
         reader = FileSystemReader(ckpt)
-        saved = reader.read_metadata().state_dict_metadata
+        with layout.gc_paused():  # DCP's metadata of many ranks: see gc_paused
+            saved = reader.read_metadata().state_dict_metadata
         plan = template_for_load(state, rank=rank, saved_keys=set(saved))
         _check_shapes(plan.template, saved, ckpt)
         try:
-            with warnings.catch_warnings():  # "assuming ... a single process": we know
+            with warnings.catch_warnings(), layout.gc_paused():  # (dcp.load reads it again)
+                # "assuming ... a single process": we know
                 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
                 dcp.load(plan.template, storage_reader=reader, no_dist=not _distributed())
         except Exception as e:

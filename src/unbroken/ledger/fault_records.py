@@ -9,6 +9,8 @@ there calls ``walk_faults`` and ``fault_record`` and folds the outages into the 
 from __future__ import annotations
 
 import bisect
+from array import array
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -105,7 +107,10 @@ def opt_str(value: Any) -> str | None:
 class Timeline:
     """Indexes over the sorted events, built once, answering the per-fault questions."""
 
-    def __init__(self, ordered: list[Event], ref: int) -> None:
+    def __init__(
+        self, ordered: list[Event], ref: int, folded: Mapping[int, array] | None = None
+    ) -> None:
+        """``folded``: more ranks' step spans (begin, end, ...), as ``reader.StepDigest``."""
         self.ref_steps = [e for e in ordered if e.kind == STEP and e.rank == ref]
         nums = [opt_int(e.get("step")) for e in self.ref_steps]
         # Survival: the last execution (by ts) of each step number on the reference rank.
@@ -117,21 +122,27 @@ class Timeline:
         for num in nums:
             best = best if num is None else max(best, num)
             self.prefix_max_step.append(best)
-        # Per rank: step begins, sorted, and the earliest end among steps from there on.
+        # Per rank: step begins, sorted, and the earliest end among steps from there on
+        # (arrays: a folded digest brings millions of them).
         by_rank: dict[int, list[tuple[float, float]]] = {}
         for e in ordered:
             if e.kind == STEP:
                 by_rank.setdefault(e.rank, []).append((float(e.begin), float(e.ts)))
-        self.rank_begins: dict[int, list[float]] = {}
-        self.rank_suffix_min_ts: dict[int, list[float]] = {}
-        for rank, spans in by_rank.items():
+        folded = folded or {}
+        self.rank_begins: dict[int, array] = {}
+        self.rank_suffix_min_ts: dict[int, array] = {}
+        for rank in sorted(set(by_rank) | set(folded)):  # one rank's tuples at a time
+            spans = by_rank.pop(rank, [])
+            flat = folded.get(rank)
+            if flat is not None:
+                spans.extend(zip(flat[0::2], flat[1::2], strict=True))
             spans.sort()
-            suffix = [0.0] * len(spans)
+            suffix = array("d", bytes(8 * len(spans)))
             low = float("inf")
             for j in range(len(spans) - 1, -1, -1):
                 low = min(low, spans[j][1])
                 suffix[j] = low
-            self.rank_begins[rank] = [b for b, _ in spans]
+            self.rank_begins[rank] = array("d", (b for b, _ in spans))
             self.rank_suffix_min_ts[rank] = suffix
         self.ref_loads = [e for e in ordered if e.kind == CKPT_LOAD and e.rank == ref]
         self.ref_load_ts = [float(e.ts) for e in self.ref_loads]

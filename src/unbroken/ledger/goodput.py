@@ -96,7 +96,10 @@ Figures
     * ``step_time_s_median``: median ``dur_s`` of surviving steps (None if none);
       ``recovery_s_median``/``recovery_s_max``: over faults with a ``recovery_s`` (else None).
 
-Cost: O(n log n) in the number of events.
+Cost: O(n log n) in the number of events. Other ranks' step records may come folded
+(``reader.StepDigest``: ``read_run(fold_steps_except=reference_rank)``): they inform only
+``t0``/``t1``, ``recovered_ts``, ``run``, ``num_attempts`` and ``num_iterations``, which read
+the digest alike, so the report is the same and its memory 16 bytes per folded step.
 
 Files: this one (the partition and the figures) and ``fault_records`` (the walk over faults).
 """
@@ -137,6 +140,7 @@ from unbroken.ledger.fault_records import (
     skips_after,
     walk_faults,
 )
+from unbroken.ledger.reader import StepDigest
 
 __all__ = ["BADPUT_CATEGORIES", "CATEGORIES", "OTHER", "FaultRecord", "RunReport", "compute"]
 
@@ -300,20 +304,28 @@ def _partition(
     return totals, startup_before
 
 
-def compute(events: Sequence[Event], *, reference_rank: int = 0) -> RunReport:
-    """The goodput report of one run's events (any order); raises ValueError if empty."""
+def compute(
+    events: Sequence[Event], *, reference_rank: int = 0, digest: StepDigest | None = None
+) -> RunReport:
+    """The goodput report of one run's events (any order); raises ValueError if empty.
+
+    ``digest``: other ranks' step records folded by ``read_run(fold_steps_except=...)``
+    (with the same reference rank); the figures are those of the unfolded events."""
     events = [e for e in events if e.kind != ALERT]
-    if not events:
+    folded = digest if digest is not None and digest.count else None
+    if not events and folded is None:
         raise ValueError(
             "cannot compute goodput from an empty event list; check that the run directory "
             "holds ledger files (<run_dir>/events/*.jsonl) with records in them"
         )
     ordered = sorted(events, key=_sort_key)
-    t0 = min(float(e.begin) for e in ordered)
-    t1 = max(float(e.ts) for e in ordered)
+    t0 = min((float(e.begin) for e in ordered), default=float("inf"))
+    t1 = max((float(e.ts) for e in ordered), default=float("-inf"))
+    if folded is not None:
+        t0, t1 = min(t0, folded.t0), max(t1, folded.t1)
     wall_s = t1 - t0
     ref = reference_rank
-    timeline = Timeline(ordered, ref)
+    timeline = Timeline(ordered, ref, folded.spans if folded is not None else None)
     faults = walk_faults(ordered, ref)
 
     # Category intervals for the partition; loop = step and blocking-save intervals.
@@ -374,6 +386,12 @@ def compute(events: Sequence[Event], *, reference_rank: int = 0) -> RunReport:
     ]
     recoveries = [r.recovery_s for r in records if r.recovery_s is not None]
     runs = Counter(e.run for e in ordered if e.run)
+    attempts = {e.attempt for e in ordered}
+    max_iteration = max((e.iteration for e in ordered), default=0)
+    if folded is not None:
+        runs.update(folded.runs)
+        attempts |= folded.attempts
+        max_iteration = max(max_iteration, folded.max_iteration)
     return RunReport(
         run=min(runs, key=lambda r: (-runs[r], r)) if runs else "",
         wall_s=float(wall_s),
@@ -386,8 +404,8 @@ def compute(events: Sequence[Event], *, reference_rank: int = 0) -> RunReport:
         ettr=productive_s / ettr_den if ettr_den > 0 else None,
         badput_s=badput_s,
         faults=records,
-        num_attempts=len({e.attempt for e in ordered}),
-        num_iterations=max(e.iteration for e in ordered) + 1,
+        num_attempts=len(attempts),
+        num_iterations=max_iteration + 1,
         checkpoint_save_s=checkpoint_save_s,
         loop_s=float(loop_s),
         step_time_s_median=float(statistics.median(surviving_durs)) if surviving_durs else None,

@@ -1,15 +1,59 @@
-"""Read and merge the ledger files of a run directory."""
+"""Read and merge the ledger files of a run directory.
+
+``read_run(run_dir, fold_steps_except=R)`` keeps only rank R's step records as events and
+folds every other rank's into a ``StepDigest`` (16 bytes a step instead of an ``Event``):
+what ``goodput.compute`` reads of them (their spans, run ids, attempts, iterations), so a
+report of 1024 ranks x 10k steps fits in a few hundred MB. Same figures, exactly.
+"""
 
 from __future__ import annotations
 
 import json
 import logging
+from array import array
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
-from unbroken.ledger.events import Event
+from unbroken.ledger.events import STEP, Event
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass
+class StepDigest:
+    """The step records of the ranks other than the reference rank, folded."""
+
+    spans: dict[int, array] = field(default_factory=dict)
+    """Per rank: begin, end, begin, end, ... (epoch seconds) of each step record, in order."""
+    runs: Counter[str] = field(default_factory=Counter)
+    """Non-empty ``run`` fields, counted."""
+    attempts: set[int] = field(default_factory=set)
+    max_iteration: int = 0
+    t0: float = float("inf")
+    """Earliest begin."""
+    t1: float = float("-inf")
+    """Latest end."""
+    count: int = 0
+
+    def add(self, obj: dict[str, Any]) -> None:
+        """Fold one step record (a parsed ledger line); raises like ``Event.from_dict``."""
+        ts = float(obj["ts"])
+        dur = obj.get("dur_s")
+        begin = ts - float(dur) if dur is not None else ts
+        rank = int(obj.get("rank", 0))
+        attempt = int(obj.get("attempt", 0))
+        iteration = int(obj.get("iteration", 0))
+        run = str(obj.get("run", ""))
+        self.spans.setdefault(rank, array("d")).extend((begin, ts))
+        if run:
+            self.runs[run] += 1
+        self.attempts.add(attempt)
+        self.max_iteration = max(self.max_iteration, iteration)
+        self.t0 = min(self.t0, begin)
+        self.t1 = max(self.t1, ts)
+        self.count += 1
 
 
 @dataclass
@@ -24,10 +68,15 @@ class ReadResult:
     """Last lines cut short by a crash (skipped; expected after SIGKILL or power loss)."""
     bad_lines: list[str] = field(default_factory=list)
     """Complete lines that did not parse (file:line); these indicate a bug or tampering."""
+    digest: StepDigest | None = None
+    """With ``fold_steps_except``: the other ranks' step records, folded (not in ``events``)."""
 
 
-def read_run(run_dir: str | Path) -> ReadResult:
-    """Merge ``<run_dir>/events/*.jsonl``; raises FileNotFoundError if there is no ledger."""
+def read_run(run_dir: str | Path, *, fold_steps_except: int | None = None) -> ReadResult:
+    """Merge ``<run_dir>/events/*.jsonl``; raises FileNotFoundError if there is no ledger.
+
+    With ``fold_steps_except=R``, step records of ranks other than R go to ``digest``
+    (pass it to ``goodput.compute``) instead of ``events``."""
     events_dir = Path(run_dir) / "events"
     if not events_dir.is_dir():
         raise FileNotFoundError(
@@ -35,6 +84,7 @@ def read_run(run_dir: str | Path) -> ReadResult:
             "pass the --run-dir that the training job wrote to"
         )
     result = ReadResult()
+    digest = result.digest = StepDigest() if fold_steps_except is not None else None
     for path in sorted(events_dir.glob("*.jsonl")):
         result.files += 1
         raw = path.read_bytes()
@@ -46,7 +96,13 @@ def read_run(run_dir: str | Path) -> ReadResult:
                 continue
             is_last = i == len(lines) - 1
             try:
-                result.events.append(Event.from_dict(json.loads(line)))
+                obj = json.loads(line)
+                folds = digest is not None and isinstance(obj, dict) and obj.get("kind") == STEP
+                if folds and int(obj.get("rank", 0)) != fold_steps_except:
+                    assert digest is not None
+                    digest.add(obj)
+                    continue
+                result.events.append(Event.from_dict(obj))
             except (ValueError, KeyError, TypeError):
                 if is_last and tail_torn:
                     result.torn_lines += 1
