@@ -77,7 +77,9 @@ def test_a_corrupt_memory_falls_back_to_disk(reference: str, tmp_path: Path) -> 
     hashes = _run(tmp_path, "--ckpt-mode", "sync", target=target)
     assert hashes == [reference, reference]
     loads = _loads(tmp_path)
-    assert [(e.rank, e.get("tier"), e.get("step")) for e in sorted(loads, key=lambda e: e.rank)] == [
+    assert [
+        (e.rank, e.get("tier"), e.get("step")) for e in sorted(loads, key=lambda e: e.rank)
+    ] == [
         (0, "disk", 3),
         (1, "disk", 3),
     ], [e.data for e in loads]
