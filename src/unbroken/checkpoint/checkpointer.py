@@ -349,7 +349,8 @@ class Checkpointer:
             raise CheckpointError("restore() on a closed Checkpointer")
         t0 = time.time()
         source = self._adopted_from
-        step, held, why = self._restore_from_memory(state)
+        timings: dict[str, float] = {}
+        step, held, why = self._restore_from_memory(state, timings)
         if step is not None:
             self._ledger.interval(
                 ev.CKPT_LOAD,
@@ -360,6 +361,7 @@ class Checkpointer:
                 source=source,
                 memory=held,
                 why=why,
+                **timings,
             )
             self._ledger.mark()
             self._last_step = step
@@ -394,7 +396,7 @@ class Checkpointer:
         return 0 if step is None else step + 1
 
     def _restore_from_memory(
-        self, state: Mapping[str, Any]
+        self, state: Mapping[str, Any], timings: dict[str, float]
     ) -> tuple[int | None, list[Any], str | None]:
         """The memory tier (see ``tiers.from_memory``)."""
         arena, self._adopted = self._adopted, None
@@ -406,6 +408,7 @@ class Checkpointer:
             rank=self.rank,
             world_size=self.world_size,
             verify=self._adopted_from != "process",
+            timings=timings,
         )
 
     def latest(self) -> int | None:
