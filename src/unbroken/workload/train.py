@@ -111,6 +111,11 @@ def build_parser() -> argparse.ArgumentParser:
         default=0,
         help="also snapshot to memory only after every N steps, between checkpoints (0: off)",
     )
+    p.add_argument(
+        "--no-memory-tier",
+        action="store_true",
+        help="keep no snapshots in memory: every restore reads the newest checkpoint on disk",
+    )
     p.add_argument("--ckpt-dir", default=None, help="checkpoint directory (<run_dir>/ckpt)")
     p.add_argument("--ckpt-mode", choices=["async", "sync"], default="async")
     p.add_argument("--ckpt-keep", type=int, default=2, help="committed checkpoints to keep")
@@ -133,6 +138,8 @@ def _check_args(args: argparse.Namespace, world_size: int) -> int:
         raise ValueError(f"--ckpt-every must be >= 0 (0: no checkpoints), got {args.ckpt_every}")
     if args.snapshot_every < 0:
         raise ValueError(f"--snapshot-every must be >= 0 (0: off), got {args.snapshot_every}")
+    if args.snapshot_every and args.no_memory_tier:
+        raise ValueError("--snapshot-every needs the memory tier: drop --no-memory-tier")
     global_batch = args.global_batch or args.batch_size * world_size
     if global_batch <= 0 or global_batch % world_size:
         raise ValueError(
@@ -197,6 +204,7 @@ def _checkpointer(
         on_busy=args.ckpt_on_busy,
         overlap=True,
         snapshot_every=args.snapshot_every,
+        memory_tier=not args.no_memory_tier,
         memory_keeper=WorkerEnv.from_environ().memory_keeper or "",
     )
 
