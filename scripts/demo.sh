@@ -8,8 +8,9 @@
 #              JobSet recreates every pod (after --pod-restart-s); a hang ends by the peers'
 #              collective timeout
 # Every unbroken configuration snapshots every step to memory (the agent keeps it across a
-# SIGKILL) and persists every 5; then the table (training/infrastructure goodput, recovery, steps lost, = clean?), an HTML
-# report, the runs ingested into the knowledge base, and how to open the dashboard on them.
+# SIGKILL) and persists every 5 steps; then the table (training/infrastructure goodput,
+# recovery, steps lost, = clean?), an HTML report, the runs ingested into the knowledge base,
+# and how to open the dashboard on them.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-runs/demo-$(date +%Y%m%d-%H%M%S)}
