@@ -31,7 +31,7 @@ def _ask(
         sock.settimeout(_TIMEOUT_S)
         sock.connect(_address(addr))
         socket.send_fds(sock, [json.dumps(msg).encode()], [] if fd is None else [fd])
-        data, fds, _flags, _addr = socket.recv_fds(sock, _MAX_MSG, 1)
+        data, fds, _flags, _addr = socket.recv_fds(sock, _MAX_MSG, 1, socket.MSG_CMSG_CLOEXEC)
     reply = json.loads(data) if data else {}
     return reply, (fds[0] if fds else None)
 

@@ -61,7 +61,7 @@ class MemoryKeeper:
                     logger.warning("memory keeper: a bad request: %s", e)
 
     def _answer(self, conn: socket.socket) -> None:
-        data, fds, _flags, _addr = socket.recv_fds(conn, _MAX_MSG, 1)
+        data, fds, _flags, _addr = socket.recv_fds(conn, _MAX_MSG, 1, socket.MSG_CMSG_CLOEXEC)
         try:
             msg = json.loads(data)
             op, key = msg["op"], str(msg["key"])
