@@ -60,6 +60,7 @@ class Arena:
         self._mm: mmap.mmap | None = None
         self._bytes: torch.Tensor | None = None
         self._pinned = False
+        self._pin_tried = False
 
     @classmethod
     def adopt(cls, fd: int, *, name: str = "unbroken-ckpt") -> Arena:
@@ -80,7 +81,9 @@ class Arena:
     def ensure(self, nbytes: int, *, pin: bool = False) -> bool:
         """Make the arena at least ``nbytes``; returns True when it was (re)allocated, in
         which case the writer must be handed the new fd."""
-        if nbytes <= self.size and (self._pinned or not pin):
+        if nbytes <= self.size:
+            if pin and not self._pinned and not self._pin_tried:
+                self._pin()  # an adopted arena: pin it in place, keeping what it holds
             return False
         size = max(self.size, (nbytes + _GROW_QUANTUM - 1) // _GROW_QUANTUM * _GROW_QUANTUM)
         self.close()
@@ -124,6 +127,7 @@ class Arena:
 
     def _pin(self) -> None:
         assert self._bytes is not None
+        self._pin_tried = True
         if not torch.cuda.is_available():
             return
         err = torch.cuda.cudart().cudaHostRegister(self._bytes.data_ptr(), self.size, 0)
@@ -135,7 +139,7 @@ class Arena:
     def close(self) -> None:
         if self._bytes is not None and self._pinned:
             torch.cuda.cudart().cudaHostUnregister(self._bytes.data_ptr())
-        self._pinned = False
+        self._pinned = self._pin_tried = False
         self._bytes = None
         if self._mm is not None:
             try:
