@@ -77,6 +77,8 @@ class WorkerEnv:
     agent_pid: int | None = None
     """Pid of the ``unbroken-run`` agent that started this worker (None outside it)."""
     store_addr: str | None = None
+    memory_keeper: str | None = None
+    """Address of the node agent's memory keeper (``UNBROKEN_MEMORY_KEEPER``; None outside)."""
     """``host:port`` of the job-long coordination store ``unbroken-run`` hosts (None outside)."""
     fault_plan: Path | None = None
     """The fault plan named by ``UNBROKEN_FAULTS``, if any."""
@@ -115,6 +117,7 @@ class WorkerEnv:
             run_dir=Path(run_dir) if run_dir else None,
             agent_pid=_int(e, UNBROKEN_AGENT_PID, 0) or None,
             store_addr=e.get(UNBROKEN_STORE_ADDR) or None,
+            memory_keeper=e.get(UNBROKEN_MEMORY_KEEPER) or None,
             fault_plan=Path(e[UNBROKEN_FAULTS]) if e.get(UNBROKEN_FAULTS) else None,
         )
 
@@ -136,6 +139,9 @@ UNBROKEN_STORE_ADDR = "UNBROKEN_STORE_ADDR"
 UNBROKEN_KB = "UNBROKEN_KB"
 """Path of the knowledge base (SQLite) that ``unbroken kb`` and the dashboard use."""
 UNBROKEN_AGENT_PID = "UNBROKEN_AGENT_PID"
+UNBROKEN_MEMORY_KEEPER = "UNBROKEN_MEMORY_KEEPER"
+"""Unix socket ("@": abstract) of the node agent's memory keeper, which holds every worker's
+staging arena so that its snapshots outlive the worker (``unbroken.launcher.keeper``)."""
 """Pid of the node's agent: what a ``node-loss`` fault kills with every process below it."""
 
 # read by the launcher for itself

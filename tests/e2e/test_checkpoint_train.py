@@ -55,7 +55,9 @@ def test_sigkill_under_torchrun_resumes_from_the_checkpoint(tmp_path: Path) -> N
     assert len(rep.faults) == 1
     fault = rep.faults[0]
     assert fault.restore_tier == "disk" and fault.restored_step in (7, 9)
-    assert fault.steps_lost == 11 - fault.restored_step
+    # Rank 0 records step 11 after its save of step 11 (which waits for step 9's commit), so
+    # the fault may come before that record: step 11 then does not count as lost.
+    assert 11 - fault.restored_step - fault.steps_lost in (0, 1)
     assert rep.checkpoint_efficiency is not None and 0.0 < rep.checkpoint_efficiency <= 1.0
     assert final(tmp_path / "run")["losses"] == final(tmp_path / "ref")["losses"]
 

@@ -24,8 +24,8 @@ def _plan(tmp: Path, entry: str) -> Path:
     return plan
 
 
-def _run(run_dir: Path, plan: Path | None, *launcher_args: str) -> list[str]:
-    extra = [*ARGS, *(["--faults", str(plan)] if plan else [])]
+def _run(run_dir: Path, plan: Path | None, *launcher_args: str, extra: list[str] = ()) -> list[str]:
+    extra = [*ARGS, *extra, *(["--faults", str(plan)] if plan else [])]
     cmd = unbroken_run_cmd(
         run_dir, nproc=2, steps=STEPS, extra=extra, launcher_args=list(launcher_args)
     )
@@ -71,7 +71,11 @@ def test_corrupt_checkpoint_is_rejected_and_the_previous_one_restored(
     reference: str, tmp_path: Path
 ) -> None:
     plan = _plan(tmp_path, "{step: 13, rank: 1, kind: checkpoint-corruption}")
-    assert _run(tmp_path, plan, "--max-restarts", "1") == [reference, reference]
+    # Off, the memory the agent keeps would restore step 11 without reading the disk.
+    assert _run(tmp_path, plan, "--max-restarts", "1", extra=["--no-memory-tier"]) == [
+        reference,
+        reference,
+    ]
     events = read_events(tmp_path)
     (injected,) = [e for e in events if e.kind == "fault_injected"]
     ckpt = Path(injected.get("checkpoint"))  # step-11, unless a busy machine skipped that save

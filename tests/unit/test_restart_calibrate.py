@@ -135,3 +135,22 @@ def test_gaps_after_a_restart_request_do_not_count() -> None:
     w.requested(1.5)
     w.progress(9.0, step=True)
     assert w.calibrator.samples == 0
+
+
+def test_a_protected_save_before_each_step_done_leaves_the_step_time_as_the_gap() -> None:
+    """The reference script snapshots each step inside ``no_hang_protection`` right before
+    ``step_done``: the calibrated gap is the step's own time, not the few ms after the save."""
+    w = Watchdog(DEFAULT)
+    w.arm(0.0)
+    t = 1.0
+    w.progress(t, step=True)
+    for _ in range(50):
+        t += 0.5  # forward, backward, optimizer
+        w.protect(t, enter=True)
+        t += 0.2  # the snapshot
+        w.protect(t, enter=False)
+        t += 0.001
+        w.progress(t, step=True)
+    assert w.calibrator.gaps.max == pytest.approx(0.501)
+    soft, _ = w.calibrator.timeouts(initial=False)
+    assert soft == pytest.approx(8 * 0.501)

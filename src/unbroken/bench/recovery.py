@@ -63,10 +63,14 @@ class Workload:
     """Ranks."""
     ckpt_every: int = 25
     """Steps between checkpoints (0: none)."""
+    snapshot_every: int = 1
+    """Steps between memory-only snapshots in the unbroken configurations (0: none)."""
     pg_timeout_s: float = 10.0
     """Collective timeout of the workers (what the baseline's survivors wait out)."""
 
-    def args(self, run_dir: Path, *, plan: Path | None, ckpt_mode: str) -> list[str]:
+    def args(
+        self, run_dir: Path, *, plan: Path | None, ckpt_mode: str, snapshots: bool = False
+    ) -> list[str]:
         out = [
             "--model",
             self.model,
@@ -85,6 +89,8 @@ class Workload:
         ]
         if self.ckpt_every:
             out += ["--ckpt-every", str(self.ckpt_every), "--ckpt-mode", ckpt_mode]
+        if snapshots and self.snapshot_every:
+            out += ["--snapshot-every", str(self.snapshot_every)]
         if plan is not None:
             out += ["--faults", str(plan)]
         return out
@@ -134,7 +140,7 @@ def _run_unbroken(
 ) -> tuple[int, str]:
     """The job under ``unbroken-run``: with in-process restart (every layer) or without it."""
     run_dir.mkdir(parents=True, exist_ok=True)
-    script = w.args(run_dir, plan=plan, ckpt_mode=ckpt_mode)
+    script = w.args(run_dir, plan=plan, ckpt_mode=ckpt_mode, snapshots=True)
     if inprocess:
         script += [
             "--soft-timeout-s",
@@ -285,6 +291,7 @@ def run_bench(a: argparse.Namespace) -> list[ConfigResult]:
         seq_len=a.seq_len,
         nproc=a.nproc,
         ckpt_every=a.ckpt_every,
+        snapshot_every=a.snapshot_every,
         pg_timeout_s=a.pg_timeout_s,
     )
     plan = out_dir / "plan.yaml"
@@ -393,6 +400,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument("--ckpt-every", type=int, default=25)
     p.add_argument("--ckpt-mode", choices=["async", "sync"], default="async")
+    p.add_argument(
+        "--snapshot-every",
+        type=int,
+        default=1,
+        help="memory-only snapshots every N steps in the unbroken configurations (0: none; the "
+        "clean and baseline runs never snapshot)",
+    )
     p.add_argument("--faults", type=int, default=5, help="faults in the seeded schedule")
     p.add_argument("--kinds", nargs="+", default=["exception", "sigkill", "hang"])
     p.add_argument("--seed", type=int, default=42, help="seed of the fault schedule")

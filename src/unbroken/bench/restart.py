@@ -9,7 +9,13 @@ one fault hits rank 1 mid-training:
   steady timeout; torchrun has no hang detection, so its trial ends at ``--hang-cap-s``.
 
 The script runs with ``--no-inprocess`` (its in-process restart layer off) unless
-``--inprocess``: this benchmark compares launchers. Recovery is measured from the ledger alone:
+``--inprocess``: this benchmark compares launchers. With ``--ckpt-every``/``--snapshot-every``
+the script checkpoints, and each trial also reports the restarted ranks' restore: the longest
+``ckpt_load`` of the restart and its tier (``memory`` when the agent kept the dead rank's
+snapshots), and of a memory restore the part that reads memory back (``read``: checking the
+digests and copying into the live state; the rest is agreeing with the other rank and torch
+creating the fresh optimizer's state, which a disk restore pays too), e.g. ``--launchers
+unbroken --faults sigkill --model small --snapshot-every 1 --hang-timeout-s 30``. Recovery is measured from the ledger alone:
 fault time -> the end of the first step that every rank completes after it
 (``goodput.compute``'s ``recovery_s``); ``detect_s`` is the first detection's latency. Both
 launchers run the same script, with torchrun given
@@ -68,6 +74,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="keep the script's in-process restart layer on (default: --no-inprocess, so that "
         "only the launchers are compared)",
     )
+    p.add_argument(
+        "--ckpt-every", type=int, default=0, help="the script's durable saves (0: no checkpoints)"
+    )
+    p.add_argument(
+        "--snapshot-every", type=int, default=0, help="the script's memory-only snapshots (0: off)"
+    )
     p.add_argument("--dir", default=None, help="keep run directories here (default: temp)")
 
 
@@ -92,6 +104,10 @@ def _cmd(launcher: str, run_dir: Path, args: argparse.Namespace, plan: Path | No
         script += ["--faults", str(plan)]
     if not args.inprocess:
         script.append("--no-inprocess")
+    if args.ckpt_every:
+        script += ["--ckpt-every", str(args.ckpt_every)]
+    if args.snapshot_every:
+        script += ["--snapshot-every", str(args.snapshot_every)]
     common = [
         "--standalone",
         "--nproc-per-node",
@@ -213,10 +229,17 @@ def _trial(launcher: str, fault: str, run_dir: Path, args: argparse.Namespace) -
         )
     faults = goodput.compute(events).faults if events else []
     f = faults[0] if faults else None
+    loads = [e for e in events if e.kind == ev.CKPT_LOAD and e.attempt > 0 and e.rank >= 0]
     return {
         "returncode": proc.returncode,
         "recovery_s": None if f is None else f.recovery_s,
         "detect_s": None if f is None else f.detection_s,
+        "restore_s": max((e.dur_s or 0.0 for e in loads), default=None),
+        "restore_tier": ",".join(sorted({str(e.get("tier")) for e in loads})) or None,
+        "read_s": max(
+            (e.get("verify_s", 0.0) + e.get("copy_s", 0.0) for e in loads if "copy_s" in e.data),
+            default=None,
+        ),
         "output_tail": output[-1500:] if proc.returncode != 0 else "",
     }
 
@@ -227,6 +250,8 @@ def _summary(
     rec = [t["recovery_s"] for t in trials]
     ok = [r for r in rec if r is not None]
     det = [t["detect_s"] for t in trials]
+    restores = [t["restore_s"] for t in trials if t.get("restore_s") is not None]
+    reads = [t["read_s"] for t in trials if t.get("read_s") is not None]
     return {
         "launcher": launcher,
         "fault": fault,
@@ -241,6 +266,11 @@ def _summary(
         else None,
         "heartbeat_timeout_s": args.hang_timeout_s if launcher == "unbroken" else None,
         "hang_cap_s": args.hang_cap_s if fault == "sigstop" else None,
+        "restore_s": [t.get("restore_s") for t in trials],
+        "restore_median_s": statistics.median(restores) if restores else None,
+        "read_s": [t.get("read_s") for t in trials],
+        "read_median_s": statistics.median(reads) if reads else None,
+        "restore_tiers": sorted({t["restore_tier"] for t in trials if t.get("restore_tier")}),
         "model": args.model,
         "warm_pool": launcher == "unbroken" and not args.no_warm_pool,
     }
@@ -270,7 +300,13 @@ def main(args: argparse.Namespace) -> int:
                     results.setdefault((launcher, fault), []).append(t)
                     print(
                         f"  {launcher:<9} {fault:<8} trial {i}: recovery {_fmt(t['recovery_s'])}"
-                        f" s, detection {_fmt(t['detect_s'])} s, exit {t['returncode']}",
+                        f" s, detection {_fmt(t['detect_s'])} s, exit {t['returncode']}"
+                        + (
+                            f", restore {_fmt(t['restore_s'])} s from {t['restore_tier']}"
+                            f" (read {_fmt(t['read_s'])} s)"
+                            if t["restore_s"] is not None
+                            else ""
+                        ),
                         flush=True,
                     )
                     if t["recovery_s"] is None and t["output_tail"]:
@@ -281,12 +317,15 @@ def main(args: argparse.Namespace) -> int:
     rows = [_summary(lc, f, ts, args) for (lc, f), ts in results.items()]
     print(
         f"\n{'launcher':<9} {'fault':<8} {'recovered':>9} {'median s':>9} {'max s':>8} "
-        f"{'detect s':>9}  (model {args.model}, hang timeout {args.hang_timeout_s} s)"
+        f"{'detect s':>9} {'restore s':>9} {'read s':>7} {'tier':<8}  (model {args.model}, hang timeout "
+        f"{args.hang_timeout_s} s)"
     )
     for r in rows:
         print(
             f"{r['launcher']:<9} {r['fault']:<8} {r['recovered']:>4}/{r['trials']:<4} "
-            f"{_fmt(r['median_s']):>9} {_fmt(r['max_s']):>8} {_fmt(r['detect_median_s']):>9}"
+            f"{_fmt(r['median_s']):>9} {_fmt(r['max_s']):>8} {_fmt(r['detect_median_s']):>9} "
+            f"{_fmt(r['restore_median_s']):>9} {_fmt(r['read_median_s']):>7} "
+            f"{','.join(r['restore_tiers']) or '-':<8}"
         )
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2) + "\n")

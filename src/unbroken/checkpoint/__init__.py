@@ -4,7 +4,8 @@ Owns: resolving a training state into DCP write items (``resolve``), the shared 
 and the copy into it (``arena``, ``staging``), the save in flight and its persistent per-rank
 writer process (``inflight``, ``writer``, ``client``, ``protocol``), the hooks fault injection
 and tests hand that process (``hooks``), the on-disk layout, commit protocol and retention
-(``layout``, ``commit``), restore and the memory tier (``restore``, ``memory``).
+(``layout``, ``commit``), restore and the memory tier (``restore``, ``memory``, ``tiers``, and
+``keeper``: the worker's side of the node agent's hold on its arena).
 ``Checkpointer`` (``checkpointer``) ties them together.
 
 Imports torch. Names are loaded lazily so that the writer process (``python -m

@@ -2,7 +2,8 @@
 
 The arena is a memfd (anonymous shared memory, the same tmpfs pages as a /dev/shm file, but
 with no name to leak when a process is SIGKILLed), mapped here and, through its fd passed over
-the writer's socket, in the writer. Pages are touched once at allocation so that a save copies
+the writer's socket, in the writer; under ``unbroken-run`` the node agent holds the fd too, so
+the arena outlives this process (``adopt`` maps it in the next one; see ``memory``). Pages are touched once at allocation so that a save copies
 into already-faulted memory (6-19 GB/s here, against ~1 GB/s while faulting). On CUDA the
 mapping is page-locked with cudaHostRegister so device-to-host copies run asynchronously.
 """
@@ -15,6 +16,7 @@ import os
 from dataclasses import dataclass
 
 import torch
+import xxhash
 
 logger = logging.getLogger(__name__)
 
@@ -58,11 +60,30 @@ class Arena:
         self._mm: mmap.mmap | None = None
         self._bytes: torch.Tensor | None = None
         self._pinned = False
+        self._pin_tried = False
+
+    @classmethod
+    def adopt(cls, fd: int, *, name: str = "unbroken-ckpt") -> Arena:
+        """An arena over an existing memfd (another process's, handed over): mapped, not
+        cleared; takes ownership of ``fd``."""
+        arena = cls(name=name)
+        try:
+            size = os.fstat(fd).st_size
+            mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        except BaseException:
+            os.close(fd)
+            raise
+        arena.fd, arena.size, arena._mm = fd, size, mm
+        arena._bytes = torch.frombuffer(mm, dtype=torch.uint8)
+        arena.generation = 1
+        return arena
 
     def ensure(self, nbytes: int, *, pin: bool = False) -> bool:
         """Make the arena at least ``nbytes``; returns True when it was (re)allocated, in
         which case the writer must be handed the new fd."""
-        if nbytes <= self.size and (self._pinned or not pin):
+        if nbytes <= self.size:
+            if pin and not self._pinned and not self._pin_tried:
+                self._pin()  # an adopted arena: pin it in place, keeping what it holds
             return False
         size = max(self.size, (nbytes + _GROW_QUANTUM - 1) // _GROW_QUANTUM * _GROW_QUANTUM)
         self.close()
@@ -88,8 +109,25 @@ class Arena:
         raw = self._bytes[slot.offset : slot.offset + slot.nbytes]
         return raw.view(slot.dtype).view(slot.shape)
 
+    def read(self, offset: int, nbytes: int) -> bytes:
+        """A copy of ``nbytes`` of the arena at ``offset``."""
+        assert self._mm is not None
+        return self._mm[offset : offset + nbytes]
+
+    def write(self, offset: int, data: bytes) -> None:
+        """Write ``data`` into the arena at ``offset``."""
+        assert self._mm is not None
+        self._mm[offset : offset + len(data)] = data
+
+    def digest(self, offset: int, nbytes: int) -> int:
+        """xxh3-64 of ``nbytes`` at ``offset`` (the GIL is released while it hashes)."""
+        assert self._mm is not None
+        with memoryview(self._mm) as whole, whole[offset : offset + nbytes] as part:
+            return xxhash.xxh3_64_intdigest(part)
+
     def _pin(self) -> None:
         assert self._bytes is not None
+        self._pin_tried = True
         if not torch.cuda.is_available():
             return
         err = torch.cuda.cudart().cudaHostRegister(self._bytes.data_ptr(), self.size, 0)
@@ -101,7 +139,7 @@ class Arena:
     def close(self) -> None:
         if self._bytes is not None and self._pinned:
             torch.cuda.cudart().cudaHostUnregister(self._bytes.data_ptr())
-        self._pinned = False
+        self._pinned = self._pin_tried = False
         self._bytes = None
         if self._mm is not None:
             try:

@@ -17,11 +17,8 @@ Across ranks nothing is collective: a rank that skips leaves a marker and the co
 abandons that step rather than waiting for it. A checkpoint directory must be on storage every
 rank sees (one machine, or a shared filesystem across nodes).
 
-Ownership: a checkpoint directory belongs to one job (``unbroken.ledger.owner``): the
-Checkpointer claims it for its run, shared with the other ranks and writers of that run; a
-Checkpointer of another run is refused while that one runs (``DirectoryOwned``). Each
-checkpoint's manifest names the run that wrote it, and ``restore`` refuses another run's
-checkpoint unless ``allow_foreign``.
+Ownership (``unbroken.ledger.owner``): the Checkpointer claims its directory for its run;
+another run's Checkpointer is refused while it runs, and its checkpoints unless ``allow_foreign``.
 
 Failures: the writer's death is noticed at once (end of its socket) and raised as
 ``CheckpointError`` by the next call; a save not durable within ``persist_timeout_s`` is
@@ -29,33 +26,40 @@ reported (``ckpt_fail``), its writer killed, and the error raised by the next ca
 writer reports failed is raised once by the next call, and later saves go on. No failure
 touches an older committed checkpoint.
 
+Snapshot often, persist rarely: ``snapshot_every`` makes ``maybe_save`` also stage a snapshot
+that stays in memory only (``snapshot``), between the durable saves of ``every_steps``; a
+durable save skipped because the previous one still persists is still snapshotted. With
+``memory_keeper`` (``unbroken-run`` sets it for its workers) the arena outlives the process.
+
 The parts: ``staging`` (the arena and the copy into it), ``inflight`` (the save in flight,
-its writer process, its outcome), ``restore`` and ``memory`` (disk and memory tiers).
+its writer process, its outcome), ``restore`` and ``memory`` (disk and memory tiers),
+``keeper`` (the node agent's hold on the arena).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import os
 import socket
 import time
 import weakref
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from types import TracebackType
 from typing import Any
 
 import torch.distributed as dist
 
-from unbroken.checkpoint import layout, memory
+from unbroken.checkpoint import layout, memory, tiers
 from unbroken.checkpoint.config import CheckpointConfig, CheckpointError
 from unbroken.checkpoint.hooks import WriterHooks
 from unbroken.checkpoint.inflight import CheckpointStats, Inflight
 from unbroken.checkpoint.resolve import ResolveCache, resolve_for_save
 from unbroken.checkpoint.restore import RestoreResult
 from unbroken.checkpoint.restore import restore as _restore
-from unbroken.checkpoint.staging import Pairs, Staging
+from unbroken.checkpoint.staging import Pairs, Staging, process_memory
 from unbroken.ledger import NULL, Recorder, owner
 from unbroken.ledger import events as ev
 from unbroken.ledger.active import current as active_ledger
@@ -80,19 +84,12 @@ def _world() -> tuple[int, int]:
     return 0, 1
 
 
-def _memory() -> dict[str, int]:
-    """RSS of this process, and the part of it that is shared memory (the arena)."""
-    out = {"rss_bytes": 0, "rss_shmem_bytes": 0}
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    out["rss_bytes"] = int(line.split()[1]) * 1024
-                elif line.startswith("RssShmem:"):
-                    out["rss_shmem_bytes"] = int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return out
+def _nothing() -> None:
+    pass
+
+
+def _log_failed(step: int, e: Exception) -> None:
+    logger.warning("snapshot of step %d not kept in memory: %s", step, e)
 
 
 class Checkpointer:
@@ -143,26 +140,48 @@ class Checkpointer:
         self._last_step: int | None = None
         self._cache = ResolveCache()
         self._closed = False
-        self._adopted = memory.take(self.root) if self.config.memory_tier else None
-        # After an in-process restart: the failed iteration's arena, with its snapshot.
-        adopted_arena = self._adopted.arena if self._adopted is not None else None
-        self._staging = Staging(rank=self.rank, arena=adopted_arena)
-        # Before the writer exists: nothing of another job's directory is touched.
+        # Before the writer and the arena exist: nothing of another job's is touched.
         self._claim = owner.claim(self.root, job=job, takeover=True)
+        self._adopted, self._adopted_from = tiers.adopt(self.root, self.config, rank=self.rank)
+        keeper_addr = self.config.memory_keeper
+        self._staging = Staging(
+            rank=self.rank,
+            regions=self.config.regions,
+            arena=self._adopted,
+            on_arena=functools.partial(tiers.hand_over, keeper_addr, self.root, self.rank)
+            if keeper_addr
+            else None,
+        )
+        self._persisting_region: int | None = None
         if self.config.eager_writer:
             self._inflight.start_writer(self._hooks)
         _created.add(self)
 
     # --- public API --------------------------------------------------------------------------
     def maybe_save(self, step: int, state: Mapping[str, Any]) -> bool:
-        """``save`` when ``step`` is due (after every ``every_steps`` completed steps)."""
-        if not self.config.due(step):
-            return False
-        return self.save(step, state)
+        """``save`` when ``step`` is due (after every ``every_steps`` completed steps), else
+        ``snapshot`` when a snapshot is due (``snapshot_every``); True when either staged."""
+        if self.config.due(step):
+            return self.save(step, state)
+        if self.config.snapshot_due(step):
+            return self.snapshot(step, state)
+        return False
 
     def save(self, step: int, state: Mapping[str, Any]) -> bool:
         """Snapshot ``state`` as the checkpoint of ``step`` (completed, 0-based). Returns False
-        when the save was skipped. Async: returns once staged; sync: once committed."""
+        when the save was skipped (with the memory tier it is still snapshotted in memory).
+        Async: returns once staged; sync: once committed."""
+        return self._stage(step, state, durable=True)
+
+    def snapshot(self, step: int, state: Mapping[str, Any]) -> bool:
+        """Snapshot ``state`` as ``step`` in memory only (the memory tier; nothing persisted):
+        what a restart restores when no newer step is held. Returns False when ``step`` was
+        just staged. Blocks like an async save: only for the copy that cannot overlap."""
+        if not self.config.memory_tier:
+            raise ValueError("snapshot() needs memory_tier=True (a snapshot is held in memory)")
+        return self._stage(step, state, durable=False)
+
+    def _stage(self, step: int, state: Mapping[str, Any], *, durable: bool) -> bool:
         t0 = time.time()
         self._check()
         if step == self._last_step:
@@ -172,15 +191,20 @@ class Checkpointer:
         self.wait_staged()
         waited = 0.0
         busy = self._inflight.busy()
-        if busy:
+        skipped = False
+        if busy and durable:
             current = self._inflight.current
             assert current is not None
             if self.config.mode == "async" and self.config.on_busy == "skip":
                 self._inflight.skip(step, f"the save of step {current.step} is still persisting")
-                self._stats.blocking_s += time.time() - t0
-                return False
-            self._inflight.wait_done()
-            waited = time.time() - t0
+                if not self.config.memory_tier:
+                    self._stats.blocking_s += time.time() - t0
+                    return False
+                durable, skipped = False, True  # still a snapshot in memory
+            else:
+                self._inflight.wait_done()
+                waited = time.time() - t0
+                busy = False
         writer = self._inflight.start_writer(self._hooks)
         t1 = time.time()
         resolved = resolve_for_save(
@@ -192,51 +216,64 @@ class Checkpointer:
             stage_all=self.config.memory_tier,
         )
         staging = self._staging
-        staging.held = None  # the arena is about to be overwritten
         tensors = [i for i in resolved.items if i.tensor is not None]
         payloads = [(i.write_item, i.payload) for i in resolved.items if i.tensor is None]
-        alloc_s = staging.prepare(tensors, writer)
+        alloc_s = staging.prepare(tensors, sum(len(p or b"") for _, p in payloads), writer)
         t2 = time.time()
+        region, slots = staging.begin(pinned=self._persisting_region if busy else None)
         now_pairs: Pairs = []
         later_pairs: Pairs = []
-        for item, slot in zip(tensors, staging.slots, strict=True):
+        for item, slot in zip(tensors, slots, strict=True):
             assert item.tensor is not None
             (later_pairs if item.background else now_pairs).append((item.tensor, slot))
         staging.copy_now(now_pairs)
-        msg = {
-            "type": "save",
-            "step": step,
-            "layout_id": staging.layout_id,
-            "payloads": payloads,
-            "assigned": resolved.assigned,
-            "planner_data": resolved.planner_data,
-            "run": self.run,
-        }
-        inflight = self._inflight.begin(step)
         self._last_step = step
         held = memory.Snapshot(
             step=step,
             rank=self.rank,
             world_size=self.world_size,
             arena=staging.arena,
-            tensors=[(i.write_item.index, s) for i, s in zip(tensors, staging.slots, strict=True)],
+            region=region,
+            tensors=[(i.write_item.index, s) for i, s in zip(tensors, slots, strict=True)],
             payloads=[(wi.index, p) for wi, p in payloads if p is not None],
+            digests=[],
         )
-        if later_pairs:
-            staging.copy_later(
-                later_pairs,
-                held=held,
-                done=lambda: self._inflight.send(msg, inflight),
-                failed=lambda e: self._inflight.staging_failed(inflight, e),
+        sealing = self.config.memory_tier
+        if durable:
+            msg = {
+                "type": "save",
+                "step": step,
+                "layout_id": staging.layout_id,
+                "base": staging.data_base(region),
+                "payloads": payloads,
+                "assigned": resolved.assigned,
+                "planner_data": resolved.planner_data,
+                "run": self.run,
+            }
+            inflight = self._inflight.begin(step)
+            self._persisting_region = region
+            done: Callable[[], None] = functools.partial(self._inflight.send, msg, inflight)
+            failed: Callable[[Exception], None] = functools.partial(
+                self._inflight.staging_failed, inflight
             )
         else:
-            staging.held = held
-            self._inflight.send(msg, inflight)
+            done, failed = _nothing, functools.partial(_log_failed, step)
+        if later_pairs or (sealing and self.config.overlap):
+            staging.copy_later(later_pairs, held=held, seal=sealing, done=done, failed=failed)
+        else:
+            try:
+                if sealing:
+                    staging.seal_now(held)
+            except ValueError as e:
+                failed(e)
+            else:
+                done()
         t3 = time.time()
         nbytes = resolved.tensor_bytes + sum(len(p or b"") for _, p in payloads)
-        self._stats.saves += 1
+        if durable:
+            self._stats.saves += 1
         self._stats.staged_bytes = nbytes
-        if self.config.mode == "sync":
+        if durable and self.config.mode == "sync":
             self.wait()
         end = time.time()
         self._stats.stall_s.append(end - t0)
@@ -253,16 +290,27 @@ class Checkpointer:
             copy_s=t3 - t2,
             background_bytes=sum(int(t.numel() * t.element_size()) for t, _ in later_pairs),
             mode=self.config.mode,
+            durable=durable,
+            region=region,
             staging_bytes=staging.size,
             queue_depth=1 if busy else 0,
-            **_memory(),
+            **process_memory(),
         )
-        return True
+        return not skipped
 
     def wait_staged(self) -> None:
         """Block until the in-flight snapshot is fully copied (only ever waits with
         ``overlap``). Call before changing parameters or optimizer state other than through
         ``optimizer.step`` of an optimizer in the state."""
+        if self._staging.copying:
+            t0 = time.time()
+            self._staging.wait()
+            end = time.time()
+            if self._stats.stall_s:
+                self._stats.stall_s[-1] += end - t0
+            self._stats.blocking_s += end - t0
+            step = self._last_step
+            self._ledger.interval(ev.CKPT_STAGE, begin=t0, end=end, step=step, part="overlap")
         self._inflight.wait_staged()
 
     def wait(self) -> None:
@@ -301,12 +349,25 @@ class Checkpointer:
         if self._closed:
             raise CheckpointError("restore() on a closed Checkpointer")
         t0 = time.time()
-        step, held = self._restore_from_memory(state)
+        source = self._adopted_from
+        timings: dict[str, float] = {}
+        step, held, why = self._restore_from_memory(state, timings)
         if step is not None:
-            self._ledger.interval(ev.CKPT_LOAD, begin=t0, step=step, tier="memory", path=None)
+            self._ledger.interval(
+                ev.CKPT_LOAD,
+                begin=t0,
+                step=step,
+                tier="memory",
+                path=None,
+                source=source,
+                memory=held,
+                why=why,
+                **timings,
+            )
             self._ledger.mark()
             self._last_step = step
             return step
+        self._staging.retain(None)  # what memory held is of another timeline now
         result: RestoreResult = _restore(
             state,
             root=self.root,
@@ -328,6 +389,7 @@ class Checkpointer:
             rejected=[s for s, _ in result.rejected],
             skipped=result.skipped,
             memory=held,
+            why=why,
         )
         self._ledger.mark()
         self._last_step = result.step
@@ -339,27 +401,21 @@ class Checkpointer:
         step = self.restore(state)
         return 0 if step is None else step + 1
 
-    def _restore_from_memory(self, state: Mapping[str, Any]) -> tuple[int | None, list[Any]]:
-        """The memory tier (see ``memory``): the step restored, or None (then: disk), and the
-        step each rank held in memory (None: nothing). Collective with a process group."""
-        snap, self._adopted = self._adopted, None
-        mine, pending = None, None
-        if snap is not None and (snap.rank, snap.world_size) == (self.rank, self.world_size):
-            try:  # checked here, applied only if every rank can (one all-gather decides)
-                pending = memory.prepare(state, snap, rank=self.rank)
-                mine = snap.step
-            except memory.Mismatch as e:
-                logger.warning("in-memory snapshot of step %d does not fit: %s", snap.step, e)
-        held: list[Any] = [mine]
-        if dist.is_available() and dist.is_initialized():
-            held = [None] * self.world_size
-            dist.all_gather_object(held, mine)
-        if mine is None or pending is None or any(s != mine for s in held):
-            return None, held
-        pending.apply()
-        if self.rank == 0:  # what the killed writers left, as a disk restore does
-            layout.sweep_incomplete(self.root)
-        return mine, held
+    def _restore_from_memory(
+        self, state: Mapping[str, Any], timings: dict[str, float]
+    ) -> tuple[int | None, list[Any], str | None]:
+        """The memory tier (see ``tiers.from_memory``)."""
+        arena, self._adopted = self._adopted, None
+        return tiers.from_memory(
+            state,
+            arena,
+            staging=self._staging,
+            root=self.root,
+            rank=self.rank,
+            world_size=self.world_size,
+            verify=self._adopted_from != "process",
+            timings=timings,
+        )
 
     def latest(self) -> int | None:
         """The newest committed step (its files are not checked), or None."""

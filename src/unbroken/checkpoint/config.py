@@ -56,9 +56,18 @@ class CheckpointConfig:
     throttle_mbps: float = 0.0
     """Cap the writer's write rate in MB/s to emulate slow shared storage; 0: no cap."""
     memory_tier: bool = True
-    """Keep the newest staged snapshot across in-process restarts and restore from it when
-    every rank holds the same step (no disk read); every rank then stages the replicated
-    tensors it does not write too (see ``unbroken.checkpoint.memory``)."""
+    """Keep the newest staged snapshots in memory across restarts and restore the newest step
+    every rank holds from there (no disk read); every rank then stages the replicated tensors
+    it does not write too (see ``unbroken.checkpoint.memory``)."""
+    snapshot_every: int = 0
+    """``maybe_save`` also snapshots to memory only (nothing persisted) after every this many
+    completed steps, between durable saves; 0: only at durable saves. Needs ``memory_tier``."""
+    memory_slots: int = 3
+    """Snapshots the staging arena holds (the memory tier; one may be the save persisting):
+    at least 2, so the ranks always hold a step in common. 1 without ``memory_tier``."""
+    memory_keeper: str = ""
+    """Address of the node agent's memory keeper (``unbroken-run`` hands workers one): the
+    staging arena is given to it, so its snapshots survive this process; "": none."""
     verify: bool = True
     """``restore`` checks every file's checksum before loading."""
     allow_foreign: bool = False
@@ -90,6 +99,21 @@ class CheckpointConfig:
             )
         if not 0 <= self.writer_nice <= 19:
             raise ValueError(f"writer_nice must be in [0, 19], got {self.writer_nice}")
+        if self.snapshot_every < 0:
+            raise ValueError(
+                f"snapshot_every must be >= 0 (0: snapshots only at durable saves), "
+                f"got {self.snapshot_every}"
+            )
+        if self.snapshot_every and not self.memory_tier:
+            raise ValueError(
+                f"snapshot_every={self.snapshot_every} needs memory_tier=True (a snapshot is "
+                "held only in memory); set memory_tier=True or snapshot_every=0"
+            )
+        if self.memory_tier and self.memory_slots < 2:
+            raise ValueError(
+                f"memory_slots must be >= 2 with the memory tier (so every rank holds a step "
+                f"the others hold), got {self.memory_slots}"
+            )
         if self.throttle_mbps < 0:
             raise ValueError(f"throttle_mbps must be >= 0 (0: no cap), got {self.throttle_mbps}")
 
@@ -97,3 +121,12 @@ class CheckpointConfig:
         """True when ``maybe_save`` saves after ``step`` (0-based): after every ``every_steps``
         completed steps, i.e. steps every_steps-1, 2*every_steps-1, ..."""
         return self.every_steps > 0 and (step + 1) % self.every_steps == 0
+
+    def snapshot_due(self, step: int) -> bool:
+        """True when ``maybe_save`` snapshots ``step`` to memory (not a durable save)."""
+        return self.snapshot_every > 0 and (step + 1) % self.snapshot_every == 0
+
+    @property
+    def regions(self) -> int:
+        """Regions of the staging arena: ``memory_slots``, or 1 without the memory tier."""
+        return self.memory_slots if self.memory_tier else 1

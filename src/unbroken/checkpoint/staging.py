@@ -1,14 +1,16 @@
-"""Staging: the copy of a training state into the shared arena, and what the arena holds.
+"""Staging: the copy of a training state into a region of the shared arena.
 
-``Staging`` owns one Checkpointer's arena: its layout (planned once and cached while the
-tensors' shapes stay; a new layout or a grown arena is handed to the writer), the copy of the
-tensors that must be copied before ``save`` returns, the background copy of the rest
-(``overlap``) and the optimizer pre-hooks that wait for it, and the fully staged snapshot the
-memory tier keeps across an in-process restart (``memory``).
+``Staging`` owns one Checkpointer's arena, laid out as a ring of regions (``memory.Ring``): the
+item layout (planned once and cached while the tensors' shapes stay; a new layout or a grown
+arena is handed to the writer, and a new arena to the node agent's keeper), the choice of the
+region a save goes to (never the one the writer is persisting), the copy of the tensors that
+must be copied before ``save`` returns, the background copy of the rest (``overlap``) and the
+optimizer pre-hooks that wait for it, and the seal that makes a region a snapshot the memory
+tier can restore (``memory``).
 
-Thread use: the training thread calls everything; the background copy runs on one stager
-thread, started at the first save that has background work. ``held`` is written by either,
-never at the same time (a save waits for the previous background copy first).
+Thread use: the training thread calls everything; the background copy and seal run on one
+stager thread, started at the first save that has background work. A save waits for the
+previous background copy first (``wait``), so the two never touch the ring at the same time.
 """
 
 from __future__ import annotations
@@ -30,6 +32,9 @@ logger = logging.getLogger(__name__)
 
 Pairs = list[tuple[torch.Tensor, Slot]]
 
+_META_PER_ITEM = 512
+"""Bytes of snapshot metadata budgeted per tensor item (its index, slot and digest)."""
+
 
 class WriterLink(Protocol):
     """What staging needs of the writer: a message, with file descriptors riding along."""
@@ -38,21 +43,39 @@ class WriterLink(Protocol):
 
 
 class Staging:
-    """One Checkpointer's staging arena; ``arena`` may be an adopted one (memory tier)."""
+    """One Checkpointer's staging arena of ``regions`` regions; ``arena`` may be an adopted
+    one (memory tier), whose sealed regions stay while the layout fits. ``on_arena(fd)`` is
+    called with every newly allocated arena (the node agent's keeper holds it)."""
 
-    def __init__(self, *, rank: int, arena: Arena | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        rank: int,
+        regions: int = 1,
+        arena: Arena | None = None,
+        on_arena: Callable[[int], None] | None = None,
+    ) -> None:
         self.rank = rank
+        self.regions = regions
         self.arena = arena if arena is not None else Arena()
+        self.ring: memory.Ring | None = None
+        self.sealed: dict[int, int] = {}
+        """Region -> sequence number of the sealed snapshots this arena holds."""
+        if arena is not None:
+            self.ring, held = memory.read(arena)
+            self.sealed = {s.region: s.seq for s in held}
+        self.seq = max(self.sealed.values(), default=0) + 1
         self.slots: list[Slot] = []
-        """The slot of every tensor item of the current layout, in item order."""
+        """The slot of every tensor item of the current layout (offsets in a region)."""
         self.layout_id = 0
         """Id of the current layout, as the writer knows it."""
-        self.held: memory.Snapshot | None = None
-        """What the arena holds fully staged (the memory tier), or None mid-copy."""
+        self._on_arena = on_arena
         self._sig: tuple[Any, ...] | None = None
         self._writer_has_arena = False
         self._thread: threading.Thread | None = None
         self._jobs: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._idle = threading.Event()
+        self._idle.set()
         self._hooked: dict[int, Any] = {}
 
     @property
@@ -60,67 +83,130 @@ class Staging:
         """Bytes of staging memory allocated (shared with the writer)."""
         return self.arena.size
 
-    def prepare(self, tensors: list[Any], writer: WriterLink) -> float:
-        """Lay out the arena for these resolved items (cached while shapes stay), grow it if
-        needed, and hand the writer a new layout or arena; returns allocation seconds."""
+    def prepare(self, tensors: list[Any], payload_bytes: int, writer: WriterLink) -> float:
+        """Lay out the ring for these resolved items (cached while shapes stay), grow the arena
+        if needed, and hand the writer a new layout or arena; returns allocation seconds."""
         sig = tuple(
             (i.write_item.index.fqn, tuple(i.write_item.index.offset or ()), i.tensor.dtype,
              tuple(i.tensor.shape))
             for i in tensors
         )  # fmt: skip
         t0 = time.time()
-        if sig != self._sig:
+        meta_bytes = payload_bytes + _META_PER_ITEM * (len(tensors) + 8)
+        ring = self.ring
+        if sig != self._sig or ring is None or meta_bytes > ring.meta_cap:
             specs = [
                 (i.tensor.dtype, tuple(i.tensor.shape), i.tensor.numel() * i.tensor.element_size())
                 for i in tensors
             ]
             self.slots, total = plan_slots(specs)
+            new_ring = memory.Ring.sized(self.regions, total, meta_bytes, ring)
             pin = any(i.tensor.is_cuda for i in tensors)
-            if self.arena.ensure(total, pin=pin) or not self._writer_has_arena:
+            fresh = self.arena.ensure(new_ring.total, pin=pin)
+            if fresh or new_ring != ring:
+                memory.write_ring(self.arena, new_ring)
+                self.sealed.clear()
+            self.ring = new_ring
+            if fresh and self._on_arena is not None:
+                self._on_arena(self.arena.fd)
+            if fresh or not self._writer_has_arena:
                 writer.send({"type": "arena", "size": self.arena.size}, fds=(self.arena.fd,))
                 self._writer_has_arena = True
-            self.layout_id += 1
-            entries = [
-                (i.write_item, s) for i, s in zip(tensors, self.slots, strict=True) if i.persist
-            ]
-            writer.send({"type": "layout", "layout_id": self.layout_id, "entries": entries})
+            if sig != self._sig:
+                self.layout_id += 1
+                entries = [
+                    (i.write_item, s) for i, s in zip(tensors, self.slots, strict=True) if i.persist
+                ]
+                writer.send({"type": "layout", "layout_id": self.layout_id, "entries": entries})
             self._sig = sig
         return time.time() - t0
+
+    def begin(self, *, pinned: int | None) -> tuple[int, list[Slot]]:
+        """Pick the region for a new snapshot (an empty one, else the oldest; never ``pinned``,
+        the one the writer reads) and mark it empty; its index and the items' slots in it."""
+        ring = self.ring
+        assert ring is not None
+        free = [r for r in range(ring.regions) if r != pinned] or [0]
+        region = min(free, key=lambda r: self.sealed.get(r, -1))
+        self.sealed.pop(region, None)
+        memory.clear(self.arena, ring, region)
+        base = ring.data_base(region)
+        return region, [Slot(base + s.offset, s.nbytes, s.dtype, s.shape) for s in self.slots]
+
+    def data_base(self, region: int) -> int:
+        """Offset of ``region``'s tensor bytes in the arena (what the writer adds)."""
+        assert self.ring is not None
+        return self.ring.data_base(region)
 
     def copy_now(self, pairs: Pairs) -> None:
         """Copy on the calling thread (what must not change before ``save`` returns)."""
         copy_into(self.arena, pairs)
+
+    def seal_now(self, held: memory.Snapshot) -> None:
+        """``held`` is fully copied: seal its region on the calling thread."""
+        self._seal(held)
 
     def copy_later(
         self,
         pairs: Pairs,
         *,
         held: memory.Snapshot,
+        seal: bool,
         done: Callable[[], None],
         failed: Callable[[Exception], None],
     ) -> None:
-        """Copy ``pairs`` on the stager thread; then ``held`` is what the arena holds and
-        ``done()`` runs there (or ``failed(error)`` when the copy raised)."""
+        """Copy ``pairs`` and (with ``seal``) seal ``held``'s region on the stager thread; then
+        ``done()`` runs there (or ``failed(error)`` when either raised)."""
         if self._thread is None:
             self._thread = threading.Thread(
                 target=self._loop, name=f"unbroken-ckpt-stager-{self.rank}", daemon=True
             )
             self._thread.start()
-        self._jobs.put((pairs, held, done, failed))
+        self._idle.clear()
+        self._jobs.put((pairs, held, seal, done, failed))
+
+    @property
+    def copying(self) -> bool:
+        """True while a background copy runs."""
+        return not self._idle.is_set()
+
+    def wait(self) -> None:
+        """Block until the background copy (if any) is done."""
+        self._idle.wait()
+
+    def _seal(self, held: memory.Snapshot) -> None:
+        assert self.ring is not None
+        held.seq = self.seq
+        self.seq += 1
+        memory.seal(held, self.ring)
+        self.sealed[held.region] = held.seq
 
     def _loop(self) -> None:
         while True:
             job = self._jobs.get()
             if job is None:
                 return
-            pairs, held, done, failed = job
+            pairs, held, seal, done, failed = job
             try:
                 copy_into(self.arena, pairs)
-                self.held = held
+                if seal:
+                    self._seal(held)
                 done()
             except Exception as e:
                 logger.exception("background staging of step %d failed", held.step)
                 failed(e)
+            finally:
+                self._idle.set()
+
+    def retain(self, region: int | None) -> None:
+        """Forget every snapshot but ``region``'s (None: all), after a restore: the others
+        are of steps the restored run has not reached, or never will the same way."""
+        if self.ring is None:
+            return
+        for r in list(self.sealed):
+            if r != region:
+                memory.clear(self.arena, self.ring, r)
+                del self.sealed[r]
 
     def hook(self, state: Mapping[str, Any], wait: Callable[[], None]) -> None:
         """Give every optimizer in ``state`` a step pre-hook calling ``wait`` (once each)."""
@@ -132,7 +218,7 @@ class Staging:
 
     def stop(self, *, keep_for: Path | None = None) -> None:
         """Remove the hooks and end the stager thread (a background copy finishes first).
-        With ``keep_for`` (a checkpoint root), the arena and its fully staged step go to the
+        With ``keep_for`` (a checkpoint root), the arena and its sealed snapshots go to the
         memory tier for the next Checkpointer on that root; this one gets a fresh arena."""
         for handle in self._hooked.values():
             handle.remove()
@@ -141,10 +227,25 @@ class Staging:
             self._jobs.put(None)
             self._thread.join(timeout=30.0)
             self._thread = None
-        if keep_for is not None and self.held is not None:
-            memory.keep(keep_for, self.held)
+        if keep_for is not None and self.sealed:
+            memory.keep(keep_for, self.arena)
             self.arena = Arena()
 
     def close(self) -> None:
         """Free the arena (after ``stop``; the writer has unmapped it or is gone)."""
         self.arena.close()
+
+
+def process_memory() -> dict[str, int]:
+    """RSS of this process, and the part of it that is shared memory (the arena)."""
+    out = {"rss_bytes": 0, "rss_shmem_bytes": 0}
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    out["rss_bytes"] = int(line.split()[1]) * 1024
+                elif line.startswith("RssShmem:"):
+                    out["rss_shmem_bytes"] = int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return out

@@ -254,6 +254,7 @@ class Writer:
             (part / stale).unlink(missing_ok=True)  # of an earlier, interrupted save
         check()
         entries = self.layouts[msg["layout_id"]]
+        base = msg.get("base", 0)  # the arena region the save was staged in
         rate = self._rate()
         name = layout.data_file(self.rank)
         fd = os.open(part / name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
@@ -284,7 +285,7 @@ class Writer:
                 offset = stream.tell()
                 assert self.mm is not None
                 # A tensor whose storage is exactly this slot, so torch.save writes only it.
-                raw = torch.frombuffer(self.mm, dtype=torch.uint8, count=slot.nbytes, offset=slot.offset) \
+                raw = torch.frombuffer(self.mm, dtype=torch.uint8, count=slot.nbytes, offset=base + slot.offset) \
                     if slot.nbytes else torch.empty(0, dtype=torch.uint8)  # fmt: skip
                 try:
                     torch.save(raw.view(slot.dtype).view(slot.shape), stream)

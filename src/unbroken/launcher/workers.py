@@ -29,6 +29,7 @@ from unbroken import env as uenv
 from unbroken.launcher import bootstrap, errors
 from unbroken.launcher.args import JobSpec
 from unbroken.launcher.config import LauncherConfig
+from unbroken.launcher.keeper import MemoryKeeper
 from unbroken.launcher.logs import Tee
 from unbroken.launcher.monitor import HeartbeatServer
 from unbroken.launcher.rendezvous import RoundInfo
@@ -115,6 +116,7 @@ class LocalWorkers:
         self.signals = signals
         self.zygote = zygote
         self.base_env = base_env
+        self.keeper = MemoryKeeper()  # the workers' staging arenas, across their deaths
         self.agent_pid = os.getpid()
         self.handles: dict[int, _Handle] = {}
         self._by_pid: dict[int, _Handle] = {}
@@ -166,6 +168,7 @@ class LocalWorkers:
                 uenv.UNBROKEN_AGENT_PID: str(self.agent_pid),
             }
         )
+        e[uenv.UNBROKEN_MEMORY_KEEPER] = self.keeper.addr
         return e
 
     # --- start -------------------------------------------------------------------------------
@@ -377,3 +380,4 @@ class LocalWorkers:
 
     def close(self) -> None:
         self.tee.close()
+        self.keeper.close()

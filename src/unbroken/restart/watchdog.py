@@ -83,6 +83,12 @@ class Watchdog:
         self.last_progress = 0.0
         self.protect_depth = 0
         self.requested_at: float | None = None
+        # The calibration's gap runs from one progress to the next, less protected regions
+        # inside it (a per-step snapshot or save just before ``step_done`` must not hide the
+        # step's own time from the calibration).
+        self.gap_start = 0.0
+        self.protected_s = 0.0
+        self.protect_since = 0.0
 
     def arm(self, now: float) -> None:
         """fn is about to be called: initial timeouts run from now."""
@@ -92,6 +98,8 @@ class Watchdog:
         self.last_progress = now
         self.protect_depth = 0
         self.requested_at = None
+        self.gap_start = now
+        self.protected_s = 0.0
 
     def disarm(self) -> None:
         self.armed = False
@@ -100,10 +108,12 @@ class Watchdog:
         """A heartbeat; ``step`` ends the initial phase. Feeds the calibration."""
         if self.protect_depth == 0 and self.requested_at is None:
             if self.first_step_seen:
-                self.calibrator.gap(now - self.last_progress)
+                self.calibrator.gap(max(0.0, now - self.gap_start - self.protected_s))
             elif step:
-                self.calibrator.first_step(now - self.armed_at)
+                self.calibrator.first_step(now - self.armed_at - self.protected_s)
         self.last_progress = now
+        self.gap_start = now
+        self.protected_s = 0.0
         if step:
             self.first_step_seen = True
 
@@ -111,8 +121,11 @@ class Watchdog:
         """Enter or leave a region without hang protection; leaving restarts the clock."""
         self.protect_depth += 1 if enter else -1
         assert self.protect_depth >= 0, "unbalanced no_hang_protection"
+        if enter and self.protect_depth == 1:
+            self.protect_since = now
         if not enter and self.protect_depth == 0:
             self.last_progress = now
+            self.protected_s += now - self.protect_since
 
     def requested(self, now: float) -> None:
         """A restart was requested (by us or a peer): fn now has exit_timeout_s to return."""

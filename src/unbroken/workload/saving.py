@@ -102,7 +102,8 @@ class Saver:
             policy.start(start)
 
     def step_done(self, step: int, state: Mapping[str, Any], ctx: Any) -> None:
-        """After ``ctx.step_done(step)``: save if ``step`` is due."""
+        """Before ``ctx.step_done(step)`` (a fault after step ``step`` finds it staged): save
+        if ``step`` is due, else snapshot it to memory if a snapshot is due."""
         policy, ckpt = self.policy, self.ckpt
         if policy is not None:
             now = time.monotonic()
@@ -110,6 +111,9 @@ class Saver:
             policy.step_time(now - self._t0, persisting=s.saves > len(s.persist_s) + s.failed)
             self._t0 = now
         if not (ckpt.config.due(step) if policy is None else policy.due(step)):
+            if ckpt.config.snapshot_due(step):
+                with ctx.no_hang_protection():  # it may wait for the region being persisted
+                    ckpt.snapshot(step, state)
             return
         heartbeat(step, committed_step=ckpt.last_committed, finishing=True)
         t0 = time.monotonic()

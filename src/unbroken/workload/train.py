@@ -11,16 +11,14 @@ Checkpoints (``--ckpt-every N``): on start the newest sound checkpoint under ``-
 restored (model, optimizer, sampler position, per-rank RNG state, loss curve) and training
 continues with the step after it; after every N completed steps a save is staged (async: the
 trainer is blocked only for the copy, overlapped with the next forward/backward); the
-checkpointer is closed (last save durable) before the final hash.
+checkpointer is closed (last save durable) before the final hash. ``--snapshot-every N``
+also stages a snapshot held in memory only after every N steps (1: every step), so a restart
+resumes from the last step done: an in-process one loses none, a launcher restart at most one
+(under ``unbroken-run`` the agent holds the snapshots). A step's save comes before its fault
+hook, so a fault injected after step k finds step k staged.
 
-One job per directory (``unbroken.ledger.owner``): the run directory and the checkpoint
-directory are claimed for this job's identity (``job_identity``: the launcher's run id, stable
-across its restarts). Without ``--run-dir`` the run directory is ``runs/<identity>``, so a
-restarted process continues its run. A directory another job is using is refused (exit 2);
-one another job used before is refused too, unless ``--resume`` continues that run on purpose:
-its ledger goes on (its wall time then includes the time nothing ran) and its checkpoints are
-restored although another job wrote them. Without ``--resume`` a run never continues another
-job's ledger or checkpoints by accident.
+One job per directory: see ``unbroken.workload.rundir`` (without ``--run-dir`` the run
+directory is ``runs/<the job's identity>``; a directory another job used needs ``--resume``).
 """
 
 from __future__ import annotations
@@ -129,6 +127,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--ckpt-every", type=int, default=0, help="checkpoint after every N steps (0: off)"
     )
+    p.add_argument(
+        "--snapshot-every",
+        type=int,
+        default=0,
+        help="also snapshot to memory only after every N steps, between checkpoints (0: off)",
+    )
+    p.add_argument(
+        "--no-memory-tier",
+        action="store_true",
+        help="keep no snapshots in memory: every restore reads the newest checkpoint on disk",
+    )
     p.add_argument("--ckpt-dir", default=None, help="checkpoint directory (<run_dir>/ckpt)")
     p.add_argument("--ckpt-mode", choices=["async", "sync"], default="async")
     p.add_argument("--ckpt-keep", type=int, default=2, help="committed checkpoints to keep")
@@ -151,6 +160,10 @@ def _check_args(args: argparse.Namespace, world_size: int) -> int:
         raise ValueError(f"--seq-len must be >= 2, got {args.seq_len}")
     if args.ckpt_every < 0:
         raise ValueError(f"--ckpt-every must be >= 0 (0: no checkpoints), got {args.ckpt_every}")
+    if args.snapshot_every < 0:
+        raise ValueError(f"--snapshot-every must be >= 0 (0: off), got {args.snapshot_every}")
+    if args.snapshot_every and args.no_memory_tier:
+        raise ValueError("--snapshot-every needs the memory tier: drop --no-memory-tier")
     global_batch = args.global_batch or args.batch_size * world_size
     if global_batch <= 0 or global_batch % world_size:
         raise ValueError(
@@ -203,7 +216,7 @@ class _Progress:
 def _checkpointer(
     args: argparse.Namespace, run_dir: Path, ledger: Ledger, hooks: WriterHooks | None
 ) -> Checkpointer | None:
-    if args.ckpt_every == 0:
+    if args.ckpt_every == 0 and args.snapshot_every == 0:
         return None
     return Checkpointer(
         Path(args.ckpt_dir) if args.ckpt_dir else run_dir / "ckpt",
@@ -216,6 +229,9 @@ def _checkpointer(
         mode=args.ckpt_mode,
         on_busy=args.ckpt_on_busy,
         overlap=True,
+        snapshot_every=args.snapshot_every,
+        memory_tier=not args.no_memory_tier,
+        memory_keeper=WorkerEnv.from_environ().memory_keeper or "",
     )
 
 
@@ -377,9 +393,9 @@ def train_once(
             progress.losses.append(loss_value)
             if rank == 0 and (step % args.log_every == 0 or step == args.steps - 1):
                 logger.info("step %d loss %.4f", step, loss_value)
-            ctx.step_done(step, loss=loss_value)  # ledger step, heartbeat, fault injector
-            if saver is not None:
+            if saver is not None:  # before a fault can fire: a snapshot of every step done
                 saver.step_done(step, state, ctx)
+            ctx.step_done(step, loss=loss_value)  # ledger step, heartbeat, fault injector
         with ledger.phase("shutdown"):
             # The last save's commit and the exit are no step: the launcher's finishing timeout.
             heartbeat(

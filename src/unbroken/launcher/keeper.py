@@ -1,0 +1,108 @@
+"""The memory keeper: the node agent holds its workers' staging arenas across their deaths.
+
+A worker hands the keeper its arena's memfd when it allocates one (``put``, keyed by checkpoint
+directory and rank); the next process of that rank asks for it (``get``) and restores its newest
+snapshot from memory instead of disk (``unbroken.checkpoint.memory``). The keeper never maps
+the memory: it only holds the descriptors, closes the one a ``put`` replaces, and closes all
+at the end of the job. memfds have no name, so nothing is left in /dev/shm whatever happens to
+the agent: a SIGKILLed agent's descriptors close with it and the kernel frees the memory.
+
+The socket is a unix seqpacket socket in the abstract namespace (no file either), served by one
+thread; the protocol is ``unbroken.checkpoint.keeper``'s (one JSON message each way, the fd as
+SCM_RIGHTS).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import secrets
+import socket
+import threading
+
+logger = logging.getLogger(__name__)
+
+_MAX_MSG = 4096
+
+
+class MemoryKeeper:
+    """Holds memfds for the workers of this node; ``addr`` goes into their environment."""
+
+    def __init__(self) -> None:
+        name = f"unbroken-keeper-{os.getpid()}-{secrets.token_hex(4)}"
+        self.addr = "@" + name
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self._sock.bind("\0" + name)
+        self._sock.listen(16)
+        self._held: dict[str, int] = {}
+        self._lock = threading.Lock()
+        self._closed = False
+        self._thread = threading.Thread(target=self._serve, name="unbroken-keeper", daemon=True)
+        self._thread.start()
+
+    def held(self) -> dict[str, int]:
+        """Key -> bytes of every arena held now."""
+        with self._lock:
+            return {k: os.fstat(fd).st_size for k, fd in self._held.items()}
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self._sock.accept()
+            except OSError:
+                return  # closed
+            with conn:
+                conn.settimeout(2.0)
+                try:
+                    self._answer(conn)
+                except (OSError, ValueError) as e:
+                    logger.warning("memory keeper: a bad request: %s", e)
+
+    def _answer(self, conn: socket.socket) -> None:
+        data, fds, _flags, _addr = socket.recv_fds(conn, _MAX_MSG, 1, socket.MSG_CMSG_CLOEXEC)
+        try:
+            msg = json.loads(data)
+            op, key = msg["op"], str(msg["key"])
+        except (ValueError, KeyError, TypeError):
+            for fd in fds:
+                os.close(fd)
+            raise ValueError(f"malformed message {data[:100]!r}") from None
+        if op == "put" and fds:
+            with self._lock:
+                old = self._held.pop(key, None)
+                if self._closed:
+                    os.close(fds[0])
+                else:
+                    self._held[key] = fds[0]
+            if old is not None:
+                os.close(old)
+            socket.send_fds(conn, [b'{"ok": "yes"}'], [])
+        elif op == "get":
+            with self._lock:
+                mine = self._held.get(key)
+                dup = os.dup(mine) if mine is not None else None
+            try:
+                socket.send_fds(conn, [b'{"ok": "yes"}'], [] if dup is None else [dup])
+            finally:
+                if dup is not None:
+                    os.close(dup)
+        else:
+            for fd in fds:
+                os.close(fd)
+            socket.send_fds(conn, [b'{"ok": "no"}'], [])
+
+    def close(self) -> None:
+        """Stop serving and let go of every arena (the end of the job). Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            held, self._held = self._held, {}
+        with contextlib.suppress(OSError):
+            self._sock.shutdown(socket.SHUT_RDWR)
+        self._sock.close()
+        self._thread.join(timeout=5.0)
+        for fd in held.values():
+            os.close(fd)

@@ -1,0 +1,86 @@
+"""The memory tiers end to end, under unbroken-run with the reference script (tiny model, two
+ranks, a snapshot after every step, a durable save every 4): an exception restores from the
+process's own memory and loses no step; a SIGKILL restores from the memory the agent kept for
+the dead rank and loses at most one; a corrupt memory falls back to disk. Each ends bit-exact."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from procs import run, unbroken_run_cmd
+from unbroken.ledger import goodput, read_events
+
+pytestmark = pytest.mark.e2e
+
+STEPS = 10
+ARGS = ["--batch-size", "4", "--ckpt-every", "4", "--snapshot-every", "1"]
+TIMEOUT_S = 240
+WORKERS = Path(__file__).resolve().parents[1] / "workers"
+
+
+def _run(run_dir: Path, *extra: str, target: list[str] | None = None) -> list[str]:
+    cmd = unbroken_run_cmd(
+        run_dir,
+        nproc=2,
+        steps=STEPS,
+        extra=[*ARGS, *extra],
+        launcher_args=["--max-restarts", "2"],
+        **({"target": target} if target else {}),
+    )
+    res = run(cmd, timeout_s=TIMEOUT_S)
+    assert res.returncode == 0, res.output[-3000:]
+    assert len(res.hashes()) == 2, res.output[-3000:]
+    return res.hashes()
+
+
+def _plan(tmp: Path, entry: str) -> str:
+    plan = tmp / "plan.yaml"
+    plan.write_text(f"faults:\n  - {entry}\n")
+    return str(plan)
+
+
+def _loads(run_dir: Path) -> list:
+    return [e for e in read_events(run_dir) if e.kind == "ckpt_load" and e.get("step") is not None]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> str:
+    hashes = _run(tmp_path_factory.mktemp("reference"))
+    assert len(set(hashes)) == 1
+    return hashes[0]
+
+
+def test_an_exception_restores_the_last_step_from_memory(reference: str, tmp_path: Path) -> None:
+    plan = _plan(tmp_path, "{step: 5, rank: 1, kind: exception}")
+    assert _run(tmp_path, "--faults", plan) == [reference, reference]
+    [fault] = goodput.compute(read_events(tmp_path)).faults
+    assert (fault.layer, fault.restore_tier, fault.restored_step) == ("inprocess", "memory", 5)
+    assert fault.steps_lost == 0
+    assert {e.get("source") for e in _loads(tmp_path)} == {"process"}
+
+
+def test_a_sigkill_restores_from_the_memory_the_agent_kept(reference: str, tmp_path: Path) -> None:
+    plan = _plan(tmp_path, "{step: 5, rank: 1, kind: sigkill}")
+    assert _run(tmp_path, "--faults", plan) == [reference, reference]
+    [fault] = goodput.compute(read_events(tmp_path)).faults
+    assert (fault.layer, fault.restore_tier) == ("launcher", "memory"), fault
+    assert fault.restored_step in (4, 5) and fault.steps_lost <= 1, fault
+    loads = _loads(tmp_path)
+    assert {(e.rank, e.get("source")) for e in loads} == {(0, "keeper"), (1, "keeper")}
+    assert all("checksums verified" in e.get("why") for e in loads), [e.data for e in loads]
+
+
+def test_a_corrupt_memory_falls_back_to_disk(reference: str, tmp_path: Path) -> None:
+    target = [str(WORKERS / "corrupt_memory.py"), "--corrupt-at", "5"]
+    hashes = _run(tmp_path, "--ckpt-mode", "sync", target=target)
+    assert hashes == [reference, reference]
+    loads = _loads(tmp_path)
+    assert [
+        (e.rank, e.get("tier"), e.get("step")) for e in sorted(loads, key=lambda e: e.rank)
+    ] == [
+        (0, "disk", 3),
+        (1, "disk", 3),
+    ], [e.data for e in loads]
+    assert all("fails its checksum" in e.get("why") for e in loads), [e.data for e in loads]
