@@ -149,7 +149,7 @@ def _check_params(kind: str, params: Mapping[str, Any], *, where: str) -> None:
     if kind == "slow-storage":
         if "mbps" in params and not (_number(params["mbps"]) and params["mbps"] > 0):
             raise _param_error(where, "mbps", params["mbps"], kind)
-        saves = params.get("saves")
+        saves: Any = params.get("saves")
         if "saves" in params and not (_int(saves) and saves >= 1):
             raise _param_error(where, "saves", saves, kind)
         if "seconds" in params and not (_number(params["seconds"]) and params["seconds"] > 0):
