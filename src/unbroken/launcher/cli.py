@@ -100,7 +100,13 @@ def run(spec: largs.JobSpec, cfg: largs.lconfig.LauncherConfig) -> int:
     run_dir = (
         cfg.run_dir or default_run_dir("none" if spec.standalone else spec.rdzv_id)
     ).resolve()
-    run_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        print(
+            f"unbroken-run: error: cannot create the run directory {run_dir}: {e}", file=sys.stderr
+        )
+        return errors.EXIT_USAGE
     metrics = None
     if cfg.metrics_port is not None:
         from unbroken.dashboard.metrics import MetricsServer

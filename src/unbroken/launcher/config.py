@@ -12,6 +12,7 @@ import ast
 import dataclasses
 import functools
 import inspect
+import math
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
@@ -72,6 +73,10 @@ class LauncherConfig:
     """Seconds between two checks, while training, for a lost node or a node waiting to join."""
 
     def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, float) and not math.isfinite(value):
+                raise ValueError(f"{f.name} must be a finite number, got {value}")
         for name in ("heartbeat_interval_s", "initial_timeout_s", "steady_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
@@ -151,24 +156,33 @@ def coerce(name: str, value: Any, *, source: str) -> Any:
             return None
         raise ValueError(f"{source}: {name} needs a value, got null")
     if kind == "path":
-        return Path(str(value))
+        if not isinstance(value, str) or not value or "\0" in value:
+            raise ValueError(f"{source}: {name} must be a path, got {value!r:.80}")
+        return Path(value)
     if kind == "modules":
         items = value.split(",") if isinstance(value, str) else value
-        if not isinstance(items, (list, tuple)):
-            raise ValueError(f"{source}: {name} must be a list of module names, got {value!r}")
-        return tuple(str(m).strip() for m in items if str(m).strip())
+        if not isinstance(items, (list, tuple)) or not all(isinstance(m, str) for m in items):
+            raise ValueError(f"{source}: {name} must be a list of module names, got {value!r:.80}")
+        return tuple(m.strip() for m in items if m.strip())
     if kind == "bool":
         if isinstance(value, bool):
             return value
         raise ValueError(f"{source}: {name} must be true or false, got {value!r}")
-    if isinstance(value, bool):
-        raise ValueError(f"{source}: {name} must be a number, got {value!r}")
+    what = "a finite number" if kind == "float" else "an integer"
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        raise ValueError(f"{source}: {name} must be {what}, got {value!r:.80}")
     try:
-        return int(value) if kind in ("int", "port") else float(value)
-    except (TypeError, ValueError):
-        raise ValueError(
-            f"{source}: {name} must be a{' number' if kind == 'float' else 'n int'}, got {value!r}"
-        ) from None
+        if kind == "float":
+            out: float = float(value)
+        elif isinstance(value, float):
+            out = int(value) if value.is_integer() else math.nan  # 1.5 is no integer
+        else:
+            out = int(value)
+    except (TypeError, ValueError, OverflowError):
+        raise ValueError(f"{source}: {name} must be {what}, got {value!r:.80}") from None
+    if isinstance(out, float) and not math.isfinite(out):
+        raise ValueError(f"{source}: {name} must be {what}, got {value!r:.80}")
+    return out
 
 
 def load_yaml(path: str | Path) -> dict[str, Any]:
@@ -178,13 +192,15 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
         raise FileNotFoundError(f"launcher config {p} does not exist")
     try:
         obj = yaml.safe_load(p.read_text())
-    except yaml.YAMLError as e:
-        raise ValueError(f"{p}: not valid YAML: {e}") from None
+    except (yaml.YAMLError, UnicodeDecodeError, RecursionError) as e:
+        raise ValueError(f"{p}: not valid YAML (UTF-8): {e}; fix the file") from None
+    except OSError as e:
+        raise ValueError(f"{p}: cannot read the launcher config: {e}") from None
     if obj is None:
         return {}
     if not isinstance(obj, Mapping):
         raise ValueError(f"{p}: expected a mapping of launcher options, got {obj!r:.80}")
-    unknown = sorted(set(obj) - set(FIELDS))
+    unknown = sorted(str(k) for k in set(obj) - set(FIELDS))
     if unknown:
         raise ValueError(f"{p}: unknown keys {unknown}; valid keys: {sorted(FIELDS)}")
     return {k: coerce(k, v, source=str(p)) for k, v in obj.items()}
