@@ -136,7 +136,7 @@ def _run(spec: largs.JobSpec, cfg: largs.lconfig.LauncherConfig, run_dir: Path) 
         else:
             logger.warning("cannot become a child subreaper: the warm pool is off")
     signals = SignalPipe(tuple(getattr(signal, s) for s in spec.stop_signals))
-    heartbeats = HeartbeatServer()
+    heartbeats = HeartbeatServer(key=HeartbeatServer.new_key())
     ledger = Ledger(run_dir, run=run_id, rank=ev.LAUNCHER_RANK)
     ledger.emit(
         ev.PROCESS_START,
