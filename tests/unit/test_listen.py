@@ -74,3 +74,17 @@ def test_standalone_rendezvous_stores_listen_on_loopback(monkeypatch: pytest.Mon
         assert listening(info.master_port) == {"127.0.0.1"}
     finally:
         rdzv.close()
+
+
+def test_metrics_listen_on_loopback_for_a_job_on_this_machine_alone() -> None:
+    from unbroken.launcher import args as largs
+    from unbroken.launcher import cli as lcli
+
+    def host(*argv: str) -> str:
+        spec, cfg, _ = largs.parse([*argv, "--nproc-per-node", "1", "train.py"])
+        return lcli.metrics_host(spec, cfg)
+
+    assert host("--standalone") == "127.0.0.1"
+    assert host("--rdzv-backend", "c10d", "--rdzv-endpoint", "localhost:29400") == "127.0.0.1"
+    assert host("--nnodes", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", "n0:1") == "0.0.0.0"
+    assert host("--standalone", "--ft-metrics-host", "0.0.0.0") == "0.0.0.0"

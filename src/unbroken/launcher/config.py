@@ -33,6 +33,8 @@ DEFAULT_PRELOAD = (
 )
 
 _MODULE_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
+_HOST = re.compile(r"^[A-Za-z0-9_.:\[\]-]{1,253}$")
+_OCTAL = re.compile(r"^0?[0-7]{1,3}$")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -66,7 +68,11 @@ class LauncherConfig:
     max_no_progress_restarts: int = 3
     """Give up after this many restarts in a row without a new step (0: never)."""
     metrics_port: int | None = None
-    """Serve the run's Prometheus /metrics on this port, all interfaces (0: any free port)."""
+    """Serve the run's Prometheus /metrics on this port (0: any free port)."""
+    metrics_host: str | None = None
+    """Address /metrics listens on (default: 127.0.0.1 for a job on this machine alone, else all)."""
+    umask: str = "077"
+    """Octal umask of the agent and its workers: 077 makes run and checkpoint files private."""
     rdzv_poll_s: float = 1.0
     """Seconds between two looks at the rendezvous state while nodes gather (torch polls 1 s)."""
     membership_check_s: float = 1.0
@@ -101,6 +107,13 @@ class LauncherConfig:
                 f"max_no_progress_restarts must be >= 0 (0: off), got "
                 f"{self.max_no_progress_restarts}"
             )
+        if self.metrics_host is not None and not _HOST.match(self.metrics_host):
+            raise ValueError(
+                f"metrics_host must be an address or host name like 0.0.0.0, got "
+                f"{self.metrics_host!r}"
+            )
+        if not (_OCTAL.match(self.umask) and int(self.umask, 8) <= 0o777):
+            raise ValueError(f"umask must be octal digits like 077 or 022, got {self.umask!r}")
         if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
             raise ValueError(f"metrics_port must be a TCP port 0-65535, got {self.metrics_port}")
         for name in ("rdzv_poll_s", "membership_check_s"):
@@ -135,9 +148,11 @@ def field_docs() -> dict[str, str]:
 
 
 def kind_of(name: str) -> str:
-    """The value kind of a field: bool, int, float, path, modules, port (an int or None)."""
+    """The value kind of a field: bool, int, float, path, text, modules, port (an int or None)."""
     if name in ("run_dir", "error_file"):
         return "path"
+    if name in ("metrics_host", "umask"):
+        return "text"
     if name == "preload":
         return "modules"
     if name == "metrics_port":
@@ -152,13 +167,20 @@ def coerce(name: str, value: Any, *, source: str) -> Any:
     """Convert a YAML or CLI value for field ``name``; ValueError names the source."""
     kind = kind_of(name)
     if value is None:
-        if kind in ("path", "port"):
+        if kind in ("path", "port") or name == "metrics_host":
             return None
         raise ValueError(f"{source}: {name} needs a value, got null")
     if kind == "path":
         if not isinstance(value, str) or not value or "\0" in value:
             raise ValueError(f"{source}: {name} must be a path, got {value!r:.80}")
         return Path(value)
+    if kind == "text":
+        if not isinstance(value, str):
+            hint = (
+                ' (quote it: umask: "077"; YAML reads 077 as a number)' if name == "umask" else ""
+            )
+            raise ValueError(f"{source}: {name} must be a string, got {value!r:.80}{hint}")
+        return value
     if kind == "modules":
         items = value.split(",") if isinstance(value, str) else value
         if not isinstance(items, (list, tuple)) or not all(isinstance(m, str) for m in items):
