@@ -88,3 +88,34 @@ def test_metrics_listen_on_loopback_for_a_job_on_this_machine_alone() -> None:
     assert host("--rdzv-backend", "c10d", "--rdzv-endpoint", "localhost:29400") == "127.0.0.1"
     assert host("--nnodes", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", "n0:1") == "0.0.0.0"
     assert host("--standalone", "--ft-metrics-host", "0.0.0.0") == "0.0.0.0"
+
+
+def test_the_restart_store_server_listens_on_loopback_only() -> None:
+    from unbroken.restart.store import StoreHost, bind_host, spawn_server
+
+    assert bind_host("localhost", single_node=True) == "127.0.0.1"
+    assert bind_host("127.0.0.1", single_node=False) == ""
+    proc, port = spawn_server(timeout_s=60)
+    host = StoreHost("127.0.0.1", port, server=proc)
+    try:
+        client = host.client(timeout_s=10)
+        client.set("k", "v")
+        assert client.get("k") == b"v"
+        assert listening(port) == {"127.0.0.1"}
+        del client
+    finally:
+        host.close()
+    assert proc.returncode == 0
+
+
+def test_malformed_registrations_in_the_store_are_ignored() -> None:
+    from unbroken.restart import store_server
+
+    class Store:
+        def add(self, key: str, n: int) -> int:
+            return 3
+
+        def multi_get(self, keys: list[str]) -> list[bytes]:
+            return [b"\xff\xfe", f"{socket.gethostname()}:notapid".encode(), b"elsewhere:1"]
+
+    assert store_server._local_pids(Store()) == []
