@@ -20,6 +20,7 @@ import argparse
 import contextlib
 import json
 import logging
+import math
 import os
 import platform
 import socket
@@ -43,6 +44,7 @@ from torch.distributed.elastic.multiprocessing.errors import get_error_handler, 
 from unbroken import heartbeat, restart
 from unbroken.checkpoint import Checkpointer, PerRank, WriterHooks
 from unbroken.env import WorkerEnv
+from unbroken.errors import EXIT_CONFIG, ConfigError
 from unbroken.faults import FaultInjector, FaultPlan, load_plan
 from unbroken.ledger import Ledger, install_sigterm_flush, process_start_time
 from unbroken.ledger import events as ev
@@ -57,53 +59,89 @@ from unbroken.workload.statehash import state_sha256
 logger = logging.getLogger("unbroken.workload.train")
 
 
+def _int_at_least(low: int) -> Any:
+    def parse(text: str) -> int:
+        with contextlib.suppress(ValueError):
+            if (value := int(text)) >= low:
+                return value
+        raise argparse.ArgumentTypeError(f"must be an integer >= {low}, got {text!r}")
+
+    return parse
+
+
+def _positive(text: str) -> float:
+    """A finite number > 0 (nan and inf are refused)."""
+    try:
+        if math.isfinite(value := float(text)) and value > 0:
+            return value
+    except ValueError:
+        pass
+    raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text!r}")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m unbroken.workload.train",
         description="unbroken's reference training job (Llama-style model, synthetic language).",
     )
     p.add_argument("--model", default="tiny", help="model size: %(default)s; see SIZES")
-    p.add_argument("--steps", type=int, default=50, help="number of training steps")
-    p.add_argument("--batch-size", type=int, default=8, help="samples per rank per step")
+    p.add_argument("--steps", type=_int_at_least(0), default=50, help="number of training steps")
+    p.add_argument(
+        "--batch-size", type=_int_at_least(1), default=8, help="samples per rank per step"
+    )
     p.add_argument(
         "--global-batch",
-        type=int,
+        type=_int_at_least(1),
         default=None,
         help="samples per step across all ranks (overrides --batch-size; must divide evenly)",
     )
-    p.add_argument("--seq-len", type=int, default=64, help="tokens per sample")
-    p.add_argument("--seed", type=int, default=0, help="seed of the model, data and order")
+    p.add_argument("--seq-len", type=_int_at_least(2), default=64, help="tokens per sample")
+    p.add_argument(
+        "--seed", type=_int_at_least(0), default=0, help="seed of the model, data and order"
+    )
     p.add_argument("--parallel", choices=["fsdp", "ddp", "none"], default="fsdp")
     p.add_argument("--run-dir", default=None, help="where the ledger and results go")
     p.add_argument("--faults", default=None, help="a fault plan (YAML)")
-    p.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate")
-    p.add_argument("--num-samples", type=int, default=1 << 16, help="samples per epoch")
+    p.add_argument("--lr", type=_positive, default=3e-3, help="AdamW learning rate")
+    p.add_argument(
+        "--num-samples", type=_int_at_least(1), default=1 << 16, help="samples per epoch"
+    )
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
-    p.add_argument("--pg-timeout-s", type=float, default=60.0, help="collective timeout")
-    p.add_argument("--log-every", type=int, default=10, help="log the loss every N steps")
+    p.add_argument("--pg-timeout-s", type=_positive, default=60.0, help="collective timeout")
+    p.add_argument(
+        "--log-every", type=_int_at_least(1), default=10, help="log the loss every N steps"
+    )
     p.add_argument(
         "--no-inprocess",
         action="store_true",
         help="no in-process restart: a fault ends the process (the launcher restarts it)",
     )
     p.add_argument(
-        "--soft-timeout-s", type=float, default=60.0, help="no step for this long: restart"
+        "--soft-timeout-s", type=_positive, default=60.0, help="no step for this long: restart"
     )
     p.add_argument(
-        "--hard-timeout-s", type=float, default=90.0, help="no step for this long: kill the rank"
+        "--hard-timeout-s",
+        type=_positive,
+        default=90.0,
+        help="no step for this long: kill the rank",
     )
     p.add_argument(
         "--max-rank-faults",
-        type=int,
+        type=_int_at_least(1),
         default=3,
         help="in-process restart hands over to the launcher once one rank caused this many faults",
     )
     p.add_argument(
-        "--ckpt-every", type=int, default=0, help="checkpoint after every N steps (0: off)"
+        "--ckpt-every",
+        type=_int_at_least(0),
+        default=0,
+        help="checkpoint after every N steps (0: off)",
     )
     p.add_argument("--ckpt-dir", default=None, help="checkpoint directory (<run_dir>/ckpt)")
     p.add_argument("--ckpt-mode", choices=["async", "sync"], default="async")
-    p.add_argument("--ckpt-keep", type=int, default=2, help="committed checkpoints to keep")
+    p.add_argument(
+        "--ckpt-keep", type=_int_at_least(1), default=2, help="committed checkpoints to keep"
+    )
     p.add_argument(
         "--ckpt-on-busy",
         choices=["skip", "wait"],
@@ -121,6 +159,7 @@ def _check_args(args: argparse.Namespace, world_size: int) -> int:
         raise ValueError(f"--seq-len must be >= 2, got {args.seq_len}")
     if args.ckpt_every < 0:
         raise ValueError(f"--ckpt-every must be >= 0 (0: no checkpoints), got {args.ckpt_every}")
+    wmodel.get_config(args.model)  # ValueError naming the valid sizes
     global_batch = args.global_batch or args.batch_size * world_size
     if global_batch <= 0 or global_batch % world_size:
         raise ValueError(
@@ -212,9 +251,12 @@ class _NoRestartContext:
 
 def train(args: argparse.Namespace, env: WorkerEnv, ledger: Ledger, run_dir: Path) -> str:
     """The training job; returns the final state hash."""
-    global_batch = _check_args(args, env.world_size)
-    plan = load_plan(args.faults, world_size=env.world_size) if args.faults else FaultPlan()
-    plan.check_world(env.world_size)
+    try:  # bad flags, a bad plan: no restart fixes them (exit EXIT_CONFIG, see main)
+        global_batch = _check_args(args, env.world_size)
+        plan = load_plan(args.faults, world_size=env.world_size) if args.faults else FaultPlan()
+        plan.check_world(env.world_size)
+    except (ValueError, FileNotFoundError) as e:
+        raise ConfigError(str(e)) from e
     injector = FaultInjector(
         plan,
         run_dir=run_dir,
@@ -371,9 +413,14 @@ def train_once(
 @record
 def main(argv: Sequence[str] | None = None) -> int:
     started = process_start_time()
-    args = build_parser().parse_args(argv)
-    init_logging()
     env = WorkerEnv.from_environ()
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as e:  # under a launcher, a usage error must not be restarted
+        if e.code == 2 and env.launched:
+            raise SystemExit(EXIT_CONFIG) from None
+        raise
+    init_logging()
     run_dir = Path(
         args.run_dir or env.run_dir or Path("runs") / time.strftime("%Y%m%d-%H%M%S")
     ).resolve()
@@ -405,6 +452,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (KeyboardInterrupt, SystemExit):
         ledger.close()
         raise
+    except ConfigError as e:  # not a fault: the launcher ends the job (exit 2)
+        get_error_handler().record_exception(e)
+        logger.error("configuration error: %s", e)
+        ledger.close()
+        return EXIT_CONFIG
     except BaseException as e:
         ledger.emit(
             ev.FAULT_DETECTED,
