@@ -144,6 +144,53 @@ def file_entry(size: int, crc: int) -> dict[str, Any]:
     return {"bytes": size, "crc32": f"{crc:08x}"}
 
 
+_CRC_RE = re.compile(r"^[0-9a-f]{8}$")
+
+
+def _json_object(raw: bytes | str, what: str) -> dict[str, Any]:
+    try:
+        doc = json.loads(raw)
+    except (ValueError, RecursionError) as e:  # ValueError: JSON and UTF-8 errors
+        raise ValueError(f"{what} is not JSON: {e}") from None
+    if not isinstance(doc, dict):
+        raise ValueError(f"{what} is not a JSON object")
+    return doc
+
+
+def parse_marker(raw: bytes | str) -> dict[str, Any]:
+    """A ``COMMITTED`` marker's fields; ValueError unless it names a manifest CRC-32."""
+    doc = _json_object(raw, "commit marker")
+    if not (isinstance(doc.get("manifest_crc32"), str) and _CRC_RE.match(doc["manifest_crc32"])):
+        raise ValueError(
+            f"commit marker has no manifest_crc32, got {doc.get('manifest_crc32')!r:.40}"
+        )
+    return doc
+
+
+def parse_manifest(raw: bytes | str) -> dict[str, dict[str, Any]]:
+    """A manifest's ``files``: name -> {"bytes": int >= 0, "crc32": 8 hex digits}.
+
+    ValueError for anything else, and for a name that is not a plain file name of the
+    checkpoint directory (a path: ``a/b``, ``..``), which verify must never open.
+    """
+    files = _json_object(raw, "manifest").get("files")
+    if not isinstance(files, dict):
+        raise ValueError("manifest has no files mapping")
+    for name, entry in files.items():
+        if name in ("", ".", "..") or "/" in name or "\0" in name:
+            raise ValueError(f"manifest names {name!r:.80}, not a file of the checkpoint")
+        if not (
+            isinstance(entry, dict)
+            and isinstance(entry.get("bytes"), int)
+            and not isinstance(entry["bytes"], bool)
+            and entry["bytes"] >= 0
+            and isinstance(entry.get("crc32"), str)
+            and _CRC_RE.match(entry["crc32"])
+        ):
+            raise ValueError(f"manifest entry of {name!r:.80} is malformed: {entry!r:.80}")
+    return files
+
+
 # --- listing ---------------------------------------------------------------------------------
 def committed_steps(root: Path) -> list[int]:
     """Steps with a ``COMMITTED`` marker, newest first (their contents are not checked)."""
@@ -159,7 +206,7 @@ def committed_steps(root: Path) -> list[int]:
 
 def manifest_files(ckpt: Path) -> list[str]:
     """The file names a committed checkpoint's manifest lists, sorted."""
-    return sorted(json.loads((ckpt / MANIFEST).read_text())["files"])
+    return sorted(parse_manifest((ckpt / MANIFEST).read_bytes()))
 
 
 def verify(ckpt: Path, *, files: Iterable[str] | None = None, checksums: bool = True) -> str | None:
@@ -169,15 +216,15 @@ def verify(ckpt: Path, *, files: Iterable[str] | None = None, checksums: bool = 
     with ``checksums``, also the CRC-32 of ``files`` (default: all listed files).
     """
     try:
-        marker = json.loads((ckpt / COMMITTED).read_text())
+        marker = parse_marker((ckpt / COMMITTED).read_bytes())
         raw = (ckpt / MANIFEST).read_bytes()
     except (OSError, ValueError) as e:
         return f"unreadable commit marker or manifest: {e}"
     if marker.get("manifest_crc32") != f"{zlib.crc32(raw):08x}":
         return f"manifest checksum mismatch (marker says {marker.get('manifest_crc32')})"
     try:
-        listed: dict[str, dict[str, Any]] = json.loads(raw)["files"]
-    except (ValueError, KeyError) as e:
+        listed = parse_manifest(raw)
+    except ValueError as e:
         return f"malformed manifest: {e}"
     for name, entry in sorted(listed.items()):
         try:
