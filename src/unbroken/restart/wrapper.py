@@ -378,6 +378,9 @@ class _Runner:
         except (RuntimeError, dist.DistStoreError) as e:
             self.ledger.emit(ev.ESCALATE, reason=f"coordination store failed: {e}")
             raise Escalated(f"the coordination store failed between iterations: {e}") from e
+        except (ValueError, KeyError, TypeError) as e:  # a value no rank of ours wrote
+            self.ledger.emit(ev.ESCALATE, reason=f"malformed coordination store value: {e}")
+            raise Escalated(f"a malformed value in the coordination store: {e!r}") from e
 
     # --- the end -----------------------------------------------------------------------------
     def close(self) -> None:
