@@ -58,7 +58,10 @@ def wait_for_ranks(
             raise TimeoutError(f"ranks {missing} did not finish writing {part.name} in time")
         time.sleep(POLL_S)
     at("done")
-    return [pickle.loads((part / layout.done_record(r)).read_bytes()) for r in range(world_size)]
+    return [
+        layout.parse_done_record((part / layout.done_record(r)).read_bytes())
+        for r in range(world_size)
+    ]
 
 
 def abandon_reason(part: Path, names: set[str] | None = None) -> str | None:

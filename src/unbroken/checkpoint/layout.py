@@ -21,11 +21,16 @@ Nothing here imports torch.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import enum
+import io
 import json
 import logging
 import os
+import pickle
 import re
 import shutil
+import sys
 import time
 import uuid
 import zlib
@@ -189,6 +194,58 @@ def parse_manifest(raw: bytes | str) -> dict[str, dict[str, Any]]:
         ):
             raise ValueError(f"manifest entry of {name!r:.80} is malformed: {entry!r:.80}")
     return files
+
+
+# Modules whose dataclasses and enums a done record holds (DCP's write items and results, the
+# staging arena's slots); nothing else may be constructed while reading one.
+_RECORD_MODULES = frozenset(
+    {
+        "torch.distributed.checkpoint.metadata",
+        "torch.distributed.checkpoint.planner",
+        "torch.distributed.checkpoint.storage",
+        "torch.distributed.checkpoint.filesystem",
+        "unbroken.checkpoint.arena",
+    }
+)
+_RECORD_NAMES = frozenset(
+    {("torch", "Size"), ("torch", "device"), ("torch.serialization", "_get_layout")}
+)
+
+
+class _RecordUnpickler(pickle.Unpickler):
+    """Builds only the types a done record holds: no arbitrary callable, so a record planted in
+    the directory cannot run code (DCP's own ``.metadata`` has no such guard: see README)."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        # Checked before the import: importing a module named by the bytes could run code.
+        if (
+            module not in _RECORD_MODULES
+            and module != "torch"
+            and (module, name) not in _RECORD_NAMES
+        ):
+            raise pickle.UnpicklingError(f"{module}.{name} is not part of a done record")
+        obj = super().find_class(module, name)
+        torch = sys.modules.get("torch")
+        dtype = module == "torch" and torch is not None and isinstance(obj, torch.dtype)
+        record_type = (
+            module in _RECORD_MODULES
+            and isinstance(obj, type)
+            and (dataclasses.is_dataclass(obj) or issubclass(obj, enum.Enum))
+        )
+        if (module, name) in _RECORD_NAMES or dtype or record_type:
+            return obj
+        raise pickle.UnpicklingError(f"{module}.{name} is not part of a done record")
+
+
+def parse_done_record(raw: bytes) -> dict[str, Any]:
+    """A writer's done record (``.rank-R.done``); ValueError for anything else."""
+    try:
+        record = _RecordUnpickler(io.BytesIO(raw)).load()
+    except Exception as e:  # noqa: BLE001 - whatever the bytes, one documented error
+        raise ValueError(f"not a done record: {type(e).__name__}: {e}") from None
+    if not isinstance(record, dict):
+        raise ValueError(f"not a done record: a {type(record).__name__}")
+    return record
 
 
 # --- listing ---------------------------------------------------------------------------------
