@@ -104,7 +104,7 @@ def metrics_host(spec: largs.JobSpec, cfg: largs.lconfig.LauncherConfig) -> str:
         return cfg.metrics_host
     host = spec.rdzv_endpoint.rpartition(":")[0] or spec.rdzv_endpoint
     local = spec.standalone or (
-        spec.max_nodes == 1 and listen.bind_address(host, single_node=True) == listen.LOOPBACK
+        spec.max_nodes == 1 and listen.is_loopback(listen.bind_address(host, single_node=True))
     )
     return listen.LOOPBACK if local else "0.0.0.0"
 

@@ -25,7 +25,7 @@ ANY = ""
 LOOPBACK = "127.0.0.1"
 
 
-def _is_loopback(addr: str) -> bool:
+def is_loopback(addr: str) -> bool:
     try:
         return ipaddress.ip_address(addr).is_loopback
     except ValueError:
@@ -53,8 +53,8 @@ def bind_address(host: str, *, single_node: bool) -> str:
     addr = resolve(host)
     if addr is None:
         return ANY
-    if _is_loopback(addr):
-        return LOOPBACK if single_node else ANY
+    if is_loopback(addr):  # exactly that one (127.0.1.1 is not 127.0.0.1)
+        return addr if single_node else ANY
     return addr
 
 

@@ -150,8 +150,8 @@ def bind_host(host: str, *, single_node: bool) -> str:
         addr = str(socket.getaddrinfo(host, None, socket.AF_INET, socket.SOCK_STREAM)[0][4][0])
     except (OSError, UnicodeError, ValueError, IndexError):
         return ""
-    if ipaddress.ip_address(addr).is_loopback:
-        return "127.0.0.1" if single_node else ""
+    if ipaddress.ip_address(addr).is_loopback:  # exactly that one (127.0.1.1 is not 127.0.0.1)
+        return addr if single_node else ""
     return addr
 
 
