@@ -201,7 +201,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return int(args.func(args))
-    except (ValueError, FileNotFoundError, LookupError) as e:
+    except (ValueError, LookupError, OSError) as e:  # bad input, a path that cannot be used
         print(f"error: {e}", file=sys.stderr)
         return 2
 

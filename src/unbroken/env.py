@@ -134,6 +134,9 @@ UNBROKEN_HEARTBEAT_ADDR = "UNBROKEN_HEARTBEAT_ADDR"
 """host:port of the node agent's heartbeat monitor (UDP); unset outside unbroken-run."""
 UNBROKEN_HEARTBEAT_INTERVAL_S = "UNBROKEN_HEARTBEAT_INTERVAL_S"
 """Least seconds between two heartbeat datagrams of one worker (unless its step changed)."""
+UNBROKEN_HEARTBEAT_KEY = "UNBROKEN_HEARTBEAT_KEY"
+"""The job's heartbeat secret (hex), made by the agent: every datagram carries its HMAC-SHA256,
+and the agent ignores datagrams without a valid one (another user's process on the node)."""
 UNBROKEN_STORE_ADDR = "UNBROKEN_STORE_ADDR"
 """host:port of an agent-hosted TCPStore that lives for the whole job (coordination store)."""
 UNBROKEN_KB = "UNBROKEN_KB"
@@ -184,6 +187,8 @@ class HeartbeatEnv:
     """The restart round it was started in."""
     interval_s: float
     """Least seconds between two datagrams for the same step."""
+    key: bytes | None = None
+    """The job's heartbeat secret (None: datagrams are sent unsigned)."""
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str] | None = None) -> HeartbeatEnv | None:
@@ -196,9 +201,13 @@ class HeartbeatEnv:
         try:
             interval_s = float(e.get(UNBROKEN_HEARTBEAT_INTERVAL_S, "0.5"))
             port_num = int(port)
+            key = (
+                bytes.fromhex(e[UNBROKEN_HEARTBEAT_KEY]) if e.get(UNBROKEN_HEARTBEAT_KEY) else None
+            )
         except ValueError:
             raise ValueError(
-                f"{UNBROKEN_HEARTBEAT_ADDR}={raw!r} or {UNBROKEN_HEARTBEAT_INTERVAL_S} is malformed"
+                f"{UNBROKEN_HEARTBEAT_ADDR}={raw!r}, {UNBROKEN_HEARTBEAT_INTERVAL_S} or "
+                f"{UNBROKEN_HEARTBEAT_KEY} is malformed"
             ) from None
         return cls(
             host=host or "127.0.0.1",
@@ -207,4 +216,5 @@ class HeartbeatEnv:
             local_rank=_int(e, LOCAL_RANK, 0),
             round=_int(e, UNBROKEN_ROUND, 0),
             interval_s=interval_s,
+            key=key,
         )

@@ -13,3 +13,18 @@ class UnbrokenError(Exception):
 
     Messages say what was wrong, the value seen, and what to do.
     """
+
+
+EXIT_CONFIG = 78
+"""A worker's exit code for a configuration error (sysexits' EX_CONFIG): ``unbroken-run`` ends
+the job at once with its usage exit code 2 instead of restarting it."""
+
+
+class ConfigError(UnbrokenError, ValueError):
+    """The job is misconfigured (a bad flag, a bad config file): no restart can fix it.
+
+    ``unbroken.run`` does not restart ``fn`` in-process for it (it re-raises it at once),
+    ``unbroken.main`` exits with ``EXIT_CONFIG`` and ``unbroken-run`` then ends the job with
+    exit code 2. A ``ValueError``, so code that checks input with ``except ValueError`` still
+    catches it.
+    """

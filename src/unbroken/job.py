@@ -40,6 +40,7 @@ from typing import Any, NoReturn, TypeVar
 from unbroken import restart
 from unbroken.checkpoint.checkpointer import Checkpointer, open_checkpointers
 from unbroken.env import WorkerEnv
+from unbroken.errors import EXIT_CONFIG, ConfigError
 from unbroken.faults import FaultInjector, load_plan
 from unbroken.launcher.client import heartbeat
 from unbroken.ledger import NULL, Ledger, install_sigterm_flush, process_start_time
@@ -85,10 +86,13 @@ def run(fn: Callable[[RestartContext], T], *, config: RestartConfig | None = Non
         env = dataclasses.replace(env, run_dir=run_dir)
     ledger = _open_ledger(env, run_dir) if run_dir is not None else None
     try:
-        injector = _injector(env, ledger)
+        try:
+            injector = _injector(env, ledger)
+        except (ValueError, FileNotFoundError) as e:
+            raise ConfigError(str(e)) from e
         with activate(NULL if ledger is None else ledger):
             value = restart.run(_with_hooks(fn, injector), config=config, ledger=ledger, env=env)
-    except (Escalated, RankExcluded, KeyboardInterrupt, SystemExit):
+    except (Escalated, RankExcluded, ConfigError, KeyboardInterrupt, SystemExit):
         if ledger is not None:
             ledger.close()
         raise
@@ -114,7 +118,8 @@ def main(fn: Callable[[RestartContext], Any], *, config: RestartConfig | None = 
     """A training script's entry point: ``run(fn, config=config)``, then exit the process with
     the code the launcher expects: 0 when ``fn`` returned; ``Escalated.exit_code`` (75) when
     in-process restart gave up (the launcher takes over); ``RankExcluded.exit_code`` (0) on a
-    rank that left the job. Any other error propagates (a traceback, exit 1; the launcher's
+    rank that left the job; ``EXIT_CONFIG`` (78) on a ``ConfigError`` (see ``unbroken.restart.run``:
+    ``unbroken-run`` ends the job with exit code 2). Any other error propagates (a traceback, exit 1; the launcher's
     error file names it). Sets up logging unless the script already did."""
     from torch.distributed.elastic.multiprocessing.errors import get_error_handler
 
@@ -126,6 +131,10 @@ def main(fn: Callable[[RestartContext], Any], *, config: RestartConfig | None = 
     except (Escalated, RankExcluded) as e:
         logger.error("%s: %s; exit code %d", type(e).__name__, e, e.exit_code)
         sys.exit(e.exit_code)
+    except ConfigError as e:  # no restart fixes it: the launcher ends the job (exit 2)
+        get_error_handler().record_exception(e)
+        logger.error("configuration error: %s; exit code %d", e, EXIT_CONFIG)
+        sys.exit(EXIT_CONFIG)
     except Exception as e:
         get_error_handler().record_exception(e)  # the launcher reads the root cause from it
         raise

@@ -43,9 +43,9 @@ def test_missing_path_bad_config_and_port_in_use(tmp_path: Path) -> None:
             ),
             timeout_s=60,
         )
-        # Another process holds the port on 127.0.0.1; the launcher binds all interfaces.
+        # Another process holds the port on 127.0.0.1, where a standalone job's /metrics listens.
         assert res.returncode == 2, res.output
-        assert f"cannot serve /metrics on 0.0.0.0:{port}" in res.output
+        assert f"cannot serve /metrics on 127.0.0.1:{port}" in res.output
         assert "Traceback" not in res.output
 
 

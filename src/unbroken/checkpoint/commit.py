@@ -66,7 +66,8 @@ def wait_for_ranks(
     at("done")
     with layout.gc_paused():
         return [
-            pickle.loads((part / layout.done_record(r)).read_bytes()) for r in range(world_size)
+            layout.parse_done_record((part / layout.done_record(r)).read_bytes())
+            for r in range(world_size)
         ]
 
 

@@ -21,12 +21,17 @@ Nothing here imports torch.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import enum
 import gc
+import io
 import json
 import logging
 import os
+import pickle
 import re
 import shutil
+import sys
 import time
 import uuid
 import zlib
@@ -165,6 +170,105 @@ def file_entry(size: int, crc: int) -> dict[str, Any]:
     return {"bytes": size, "crc32": f"{crc:08x}"}
 
 
+_CRC_RE = re.compile(r"^[0-9a-f]{8}$")
+
+
+def _json_object(raw: bytes | str, what: str) -> dict[str, Any]:
+    try:
+        doc = json.loads(raw)
+    except (ValueError, RecursionError) as e:  # ValueError: JSON and UTF-8 errors
+        raise ValueError(f"{what} is not JSON: {e}") from None
+    if not isinstance(doc, dict):
+        raise ValueError(f"{what} is not a JSON object")
+    return doc
+
+
+def parse_marker(raw: bytes | str) -> dict[str, Any]:
+    """A ``COMMITTED`` marker's fields; ValueError unless it names a manifest CRC-32."""
+    doc = _json_object(raw, "commit marker")
+    if not (isinstance(doc.get("manifest_crc32"), str) and _CRC_RE.match(doc["manifest_crc32"])):
+        raise ValueError(
+            f"commit marker has no manifest_crc32, got {doc.get('manifest_crc32')!r:.40}"
+        )
+    return doc
+
+
+def parse_manifest(raw: bytes | str) -> dict[str, dict[str, Any]]:
+    """A manifest's ``files``: name -> {"bytes": int >= 0, "crc32": 8 hex digits}.
+
+    ValueError for anything else, and for a name that is not a plain file name of the
+    checkpoint directory (a path: ``a/b``, ``..``), which verify must never open.
+    """
+    files = _json_object(raw, "manifest").get("files")
+    if not isinstance(files, dict):
+        raise ValueError("manifest has no files mapping")
+    for name, entry in files.items():
+        if name in ("", ".", "..") or "/" in name or "\0" in name:
+            raise ValueError(f"manifest names {name!r:.80}, not a file of the checkpoint")
+        if not (
+            isinstance(entry, dict)
+            and isinstance(entry.get("bytes"), int)
+            and not isinstance(entry["bytes"], bool)
+            and entry["bytes"] >= 0
+            and isinstance(entry.get("crc32"), str)
+            and _CRC_RE.match(entry["crc32"])
+        ):
+            raise ValueError(f"manifest entry of {name!r:.80} is malformed: {entry!r:.80}")
+    return files
+
+
+# Modules whose dataclasses and enums a done record holds (DCP's write items and results, the
+# staging arena's slots); nothing else may be constructed while reading one.
+_RECORD_MODULES = frozenset(
+    {
+        "torch.distributed.checkpoint.metadata",
+        "torch.distributed.checkpoint.planner",
+        "torch.distributed.checkpoint.storage",
+        "torch.distributed.checkpoint.filesystem",
+        "unbroken.checkpoint.arena",
+    }
+)
+_RECORD_NAMES = frozenset(
+    {("torch", "Size"), ("torch", "device"), ("torch.serialization", "_get_layout")}
+)
+
+
+class _RecordUnpickler(pickle.Unpickler):
+    """Builds only the types a done record holds: no arbitrary callable, so a record planted in
+    the directory cannot run code (DCP's own ``.metadata`` has no such guard: see README)."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        # Checked before the import: importing a module named by the bytes could run code.
+        if (
+            module not in _RECORD_MODULES
+            and module != "torch"
+            and (module, name) not in _RECORD_NAMES
+        ):
+            raise pickle.UnpicklingError(f"{module}.{name} is not part of a done record")
+        obj = super().find_class(module, name)
+        torch = sys.modules.get("torch")
+        dtype = module == "torch" and torch is not None and isinstance(obj, torch.dtype)
+        record_type = (
+            module in _RECORD_MODULES
+            and isinstance(obj, type)
+            and (dataclasses.is_dataclass(obj) or issubclass(obj, enum.Enum))
+        )
+        if (module, name) in _RECORD_NAMES or dtype or record_type:
+            return obj
+        raise pickle.UnpicklingError(f"{module}.{name} is not part of a done record")
+
+
+def parse_done_record(raw: bytes) -> dict[str, Any]:
+    """A writer's done record (``.rank-R.done``); ValueError for anything else."""
+    try:
+        record = _RecordUnpickler(io.BytesIO(raw)).load()
+    except Exception as e:  # noqa: BLE001 - whatever the bytes, one documented error
+        raise ValueError(f"not a done record: {type(e).__name__}: {e}") from None
+    if not isinstance(record, dict):
+        raise ValueError(f"not a done record: a {type(record).__name__}")
+    return record
+
+
 # --- listing ---------------------------------------------------------------------------------
 def _own_entries(root: Path) -> list[os.DirEntry[str]]:
     """The entries of ``root`` that are its own: a symlink (to a checkpoint elsewhere, to
@@ -200,7 +304,7 @@ def committed_steps(root: Path) -> list[int]:
 
 def manifest_files(ckpt: Path) -> list[str]:
     """The file names a committed checkpoint's manifest lists, sorted."""
-    return sorted(json.loads((ckpt / MANIFEST).read_text())["files"])
+    return sorted(parse_manifest((ckpt / MANIFEST).read_bytes()))
 
 
 def verify(ckpt: Path, *, files: Iterable[str] | None = None, checksums: bool = True) -> str | None:
@@ -212,7 +316,7 @@ def verify(ckpt: Path, *, files: Iterable[str] | None = None, checksums: bool = 
     nothing about the checkpoint, and the caller retries rather than rejects.
     """
     try:
-        marker = json.loads((ckpt / COMMITTED).read_text())
+        marker = parse_marker((ckpt / COMMITTED).read_bytes())
         raw = (ckpt / MANIFEST).read_bytes()
     except (FileNotFoundError, ValueError) as e:
         return f"unreadable commit marker or manifest: {e}"
@@ -221,10 +325,9 @@ def verify(ckpt: Path, *, files: Iterable[str] | None = None, checksums: bool = 
     if marker.get("manifest_crc32") != f"{zlib.crc32(raw):08x}":
         return f"manifest checksum mismatch (marker says {marker.get('manifest_crc32')})"
     try:
-        listed: dict[str, dict[str, Any]] = json.loads(raw)["files"]
-        _ = [(e["bytes"], e["crc32"]) for e in listed.values()]
-    except (ValueError, KeyError, TypeError, AttributeError) as e:
-        return f"malformed manifest: {e!r}"
+        listed = parse_manifest(raw)
+    except ValueError as e:
+        return f"malformed manifest: {e}"
     for name, entry in sorted(listed.items()):
         try:
             size = os.stat(ckpt / name).st_size

@@ -27,6 +27,7 @@ uniformly; ``ranks`` defaults to every rank of the world, so such a plan needs t
 
 from __future__ import annotations
 
+import math
 import random as _random
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -105,11 +106,27 @@ PARAMS: dict[str, dict[str, tuple[Any, str]]] = {
         "target": ("data", f"one of {', '.join(CORRUPTION_TARGETS)}"),
     },
     "node-loss": {},
+    "oom-kill": {
+        "limit_mb": (256, "an integer >= 1 (MB the rank may grow by)"),
+    },
 }
+
+MAX_RANDOM = 10_000
+"""Most faults a random schedule may draw (a plan is read by every rank at start-up)."""
+
+
+def _names(keys: Any) -> list[str]:
+    """Keys of a mapping as sorted strings (YAML keys may be of any type)."""
+    return sorted(str(k) for k in keys)
+
+
+def _int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _number(value: Any) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool)
+    """A finite int or float (not a bool, nan or inf)."""
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def _param_error(where: str, name: str, value: Any, kind: str) -> ValueError:
@@ -122,7 +139,7 @@ def _check_params(kind: str, params: Mapping[str, Any], *, where: str) -> None:
     if kind not in PARAMS:
         return
     allowed = PARAMS[kind]
-    unknown = sorted(set(params) - set(allowed))
+    unknown = _names(set(params) - set(allowed))
     if unknown:
         takes = ", ".join(allowed) if allowed else "no parameters"
         raise ValueError(
@@ -132,10 +149,8 @@ def _check_params(kind: str, params: Mapping[str, Any], *, where: str) -> None:
     if kind == "slow-storage":
         if "mbps" in params and not (_number(params["mbps"]) and params["mbps"] > 0):
             raise _param_error(where, "mbps", params["mbps"], kind)
-        saves = params.get("saves")
-        if "saves" in params and not (
-            isinstance(saves, int) and not isinstance(saves, bool) and saves >= 1
-        ):
+        saves: Any = params.get("saves")
+        if "saves" in params and not (_int(saves) and saves >= 1):
             raise _param_error(where, "saves", saves, kind)
         if "seconds" in params and not (_number(params["seconds"]) and params["seconds"] > 0):
             raise _param_error(where, "seconds", params["seconds"], kind)
@@ -147,11 +162,7 @@ def _check_params(kind: str, params: Mapping[str, Any], *, where: str) -> None:
         if (
             "ranks" in params
             and ranks != "all"
-            and not (
-                isinstance(ranks, list)
-                and ranks
-                and all(isinstance(r, int) and not isinstance(r, bool) and r >= 0 for r in ranks)
-            )
+            and not (isinstance(ranks, list) and ranks and all(_int(r) and r >= 0 for r in ranks))
         ):
             raise _param_error(where, "ranks", ranks, kind)
     elif (
@@ -160,6 +171,10 @@ def _check_params(kind: str, params: Mapping[str, Any], *, where: str) -> None:
         and params["target"] not in CORRUPTION_TARGETS
     ):
         raise _param_error(where, "target", params["target"], kind)
+    elif kind == "oom-kill" and "limit_mb" in params:
+        limit = params["limit_mb"]
+        if not (_int(limit) and 1 <= limit <= 1 << 20):
+            raise _param_error(where, "limit_mb", limit, kind)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -216,7 +231,9 @@ class FaultSpec:
         return [self.rank]
 
     def describe(self) -> str:
-        extra = "".join(f" {k}={v}" for k, v in sorted(self.params.items()))
+        extra = "".join(
+            f" {k}={v}" for k, v in sorted(self.params.items(), key=lambda kv: str(kv[0]))
+        )
         return f"#{self.index}: step {self.step}, rank {self.rank}: {self.kind}{extra}"
 
 
@@ -258,20 +275,26 @@ def _expand_random(spec: Any, *, source: str, world_size: int | None) -> list[di
     missing = {"count", "kinds", "seed", "steps"} - set(spec)
     if unknown or missing:
         raise ValueError(
-            f"{source}: 'random' has unknown keys {sorted(unknown)} / lacks {sorted(missing)}; "
+            f"{source}: 'random' has unknown keys {_names(unknown)} / lacks {_names(missing)}; "
             f"it takes {sorted(_RANDOM_KEYS)} (ranks optional)"
         )
     count, kinds, seed, steps = spec["count"], spec["kinds"], spec["seed"], spec["steps"]
-    if not isinstance(count, int) or count < 0:
-        raise ValueError(f"{source}: random.count must be an integer >= 0, got {count!r}")
-    if not isinstance(kinds, list) or not kinds or any(k not in KINDS for k in kinds):
+    if not _int(count) or not 0 <= count <= MAX_RANDOM:
+        raise ValueError(
+            f"{source}: random.count must be an integer from 0 to {MAX_RANDOM}, got {count!r:.80}"
+        )
+    if (
+        not isinstance(kinds, list)
+        or not kinds
+        or any(not isinstance(k, str) or k not in KINDS for k in kinds)
+    ):
         raise ValueError(f"{source}: random.kinds must be a non-empty list of {list(KINDS)}")
-    if not isinstance(seed, int):
-        raise ValueError(f"{source}: random.seed must be an integer, got {seed!r}")
+    if not _int(seed):
+        raise ValueError(f"{source}: random.seed must be an integer, got {seed!r:.80}")
     if (
         not isinstance(steps, list)
         or len(steps) != 2
-        or not all(isinstance(v, int) for v in steps)
+        or not all(_int(v) for v in steps)
         or not 0 <= steps[0] <= steps[1]
     ):
         raise ValueError(f"{source}: random.steps must be [lo, hi] with 0 <= lo <= hi")
@@ -289,8 +312,8 @@ def _expand_random(spec: Any, *, source: str, world_size: int | None) -> list[di
                 "pass --world-size or list ranks"
             )
         ranks = list(range(world_size))
-    if not isinstance(ranks, list) or not ranks or not all(isinstance(r, int) for r in ranks):
-        raise ValueError(f"{source}: random.ranks must be a non-empty list of integers")
+    if not isinstance(ranks, list) or not ranks or not all(_int(r) and r >= 0 for r in ranks):
+        raise ValueError(f"{source}: random.ranks must be a non-empty list of integers >= 0")
     rng = _random.Random(seed)
     chosen = sorted(rng.sample(range(lo, hi + 1), count))
     return [{"step": st, "rank": rng.choice(ranks), "kind": rng.choice(kinds)} for st in chosen]
@@ -308,7 +331,7 @@ def parse_plan(obj: Any, *, source: str = "plan", world_size: int | None = None)
     unknown = set(obj) - {"faults", "random"}
     if unknown:
         raise ValueError(
-            f"{source}: unknown top-level keys {sorted(unknown)}; expected 'faults', 'random'"
+            f"{source}: unknown top-level keys {_names(unknown)}; expected 'faults', 'random'"
         )
     entries = obj.get("faults") or []
     if not isinstance(entries, list):
@@ -321,9 +344,9 @@ def parse_plan(obj: Any, *, source: str = "plan", world_size: int | None = None)
         if missing:
             raise ValueError(f"{source}: fault #{i} lacks {missing}; each needs step, rank, kind")
         for key in ("step", "rank"):
-            if not isinstance(entry[key], int) or isinstance(entry[key], bool):
+            if not _int(entry[key]):
                 raise ValueError(
-                    f"{source}: fault #{i}: {key} must be an integer, got {entry[key]!r}"
+                    f"{source}: fault #{i}: {key} must be an integer, got {entry[key]!r:.80}"
                 )
         params = {k: v for k, v in entry.items() if k not in _REQUIRED}
         try:
@@ -351,6 +374,8 @@ def load_plan(path: str | Path, *, world_size: int | None = None) -> FaultPlan:
         raise FileNotFoundError(f"fault plan {p} does not exist")
     try:
         obj = yaml.safe_load(p.read_text())
-    except yaml.YAMLError as e:
-        raise ValueError(f"{p}: not valid YAML: {e}") from None
+    except (yaml.YAMLError, UnicodeDecodeError, RecursionError) as e:
+        raise ValueError(f"{p}: not valid YAML (UTF-8): {e}; fix the file") from None
+    except OSError as e:
+        raise ValueError(f"{p}: cannot read the fault plan: {e}") from None
     return parse_plan(obj, source=str(p), world_size=world_size)

@@ -9,6 +9,7 @@ are reimplemented here so that parsing does not import torch.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import re
 import signal
@@ -72,7 +73,12 @@ class _CheckEnv(argparse.Action):
         self, option_strings: Sequence[str], dest: str, default: bool = False, **kwargs: Any
     ) -> None:
         pet = uenv.pet_default(dest)
-        default = bool(int(("1" if default else "0") if pet is None else pet))
+        try:
+            default = bool(int(("1" if default else "0") if pet is None else pet))
+        except ValueError:
+            raise ValueError(
+                f"{uenv.PET_PREFIX}{dest.upper()}={pet!r}: set it to 0 or 1 (or unset it)"
+            ) from None
         super().__init__(option_strings, dest, const=True, default=default, nargs=0, **kwargs)
 
     def __call__(
@@ -162,8 +168,24 @@ class JobSpec:
             raise ValueError(f"--nproc-per-node must be >= 1, got {self.nproc_per_node}")
         if self.max_restarts < 0:
             raise ValueError(f"--max-restarts must be >= 0, got {self.max_restarts}")
-        if not self.monitor_interval_s > 0:
-            raise ValueError(f"--monitor-interval must be > 0, got {self.monitor_interval_s}")
+        if not (math.isfinite(self.monitor_interval_s) and self.monitor_interval_s > 0):
+            raise ValueError(
+                f"--monitor-interval must be a finite number > 0, got {self.monitor_interval_s}"
+            )
+        if self.shutdown_timeout_s is not None and not (
+            math.isfinite(self.shutdown_timeout_s) and self.shutdown_timeout_s >= 0
+        ):
+            raise ValueError(
+                f"--shutdown-timeout must be a finite number >= 0, got {self.shutdown_timeout_s}"
+            )
+        if self.node_rank < 0:
+            raise ValueError(f"--node-rank must be >= 0, got {self.node_rank}")
+        host, sep, port = self.rdzv_endpoint.rpartition(":")
+        if sep and not (port.isdigit() and 0 <= int(port) <= 65535 and host):
+            raise ValueError(
+                f"--rdzv-endpoint must be host or host:port (port 0-65535), got "
+                f"{self.rdzv_endpoint!r}"
+            )
         for name in self.stop_signals:
             if not (name.startswith("SIG") and hasattr(signal, name)):
                 raise ValueError(f"--signals-to-handle: unknown signal {name!r}")
@@ -284,12 +306,42 @@ def parse_nnodes(value: str) -> tuple[int, int]:
     raise ValueError(f"--nnodes must be N or MIN:MAX, got {value!r}")
 
 
+# --rdzv-conf keys whose values are seconds (> 0), counts (>= 1) or booleans
+_RDZV_SECONDS = (
+    "join_timeout",
+    "last_call_timeout",
+    "close_timeout",
+    "heartbeat_timeout",
+    "keep_alive_interval",
+    "read_timeout",
+)
+_RDZV_COUNTS = ("keep_alive_max_attempt",)
+_RDZV_BOOLS = ("is_host",)
+_BOOL_WORDS = ("1", "0", "true", "false", "yes", "no")
+
+
+def _check_rdzv_value(key: str, v: str) -> None:
+    if key in _RDZV_SECONDS:
+        try:
+            ok = math.isfinite(float(v)) and float(v) > 0
+        except ValueError:
+            ok = False
+        if not ok:
+            raise ValueError(f"--rdzv-conf {key}={v!r} must be a number of seconds > 0")
+    elif key in _RDZV_COUNTS:
+        if not (v.isdigit() and int(v) >= 1):
+            raise ValueError(f"--rdzv-conf {key}={v!r} must be an integer >= 1")
+    elif key in _RDZV_BOOLS and v.lower() not in _BOOL_WORDS:
+        raise ValueError(f"--rdzv-conf {key}={v!r} must be one of {', '.join(_BOOL_WORDS)}")
+
+
 def parse_rdzv_conf(value: str) -> dict[str, str]:
     out: dict[str, str] = {}
     for item in filter(None, (s.strip() for s in value.split(","))):
         key, sep, v = item.partition("=")
-        if not sep or not key:
+        if not sep or not key.strip():
             raise ValueError(f"--rdzv-conf entries must be key=value, got {item!r}")
+        _check_rdzv_value(key.strip(), v.strip())
         out[key.strip()] = v.strip()
     return out
 
@@ -376,7 +428,9 @@ def config_from_namespace(ns: argparse.Namespace) -> lconfig.LauncherConfig:
             flag = "--ft-" + name.replace("_", "-")
             overrides[name] = lconfig.coerce(name, raw, source=flag)
     if ns.shutdown_timeout is not None and "stop_grace_s" not in overrides:
-        overrides["stop_grace_s"] = float(ns.shutdown_timeout)
+        overrides["stop_grace_s"] = lconfig.coerce(
+            "stop_grace_s", ns.shutdown_timeout, source="--shutdown-timeout"
+        )
     return lconfig.build(yaml_path=ns.ft_config, **overrides)
 
 

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from unbroken import env as uenv
 from unbroken.launcher import args as largs
-from unbroken.launcher import bootstrap, errors
+from unbroken.launcher import bootstrap, errors, listen
 from unbroken.launcher.agent import Agent
 from unbroken.launcher.errors import Failure
 from unbroken.launcher.monitor import STATE_FILE, HeartbeatServer, HeartbeatTracker, Observed
@@ -96,17 +96,39 @@ def _rendezvous_failed(ledger: Ledger, path: Path, run_id: str, e: Exception) ->
     return errors.EXIT_RENDEZVOUS_FAILED
 
 
+def metrics_host(spec: largs.JobSpec, cfg: largs.lconfig.LauncherConfig) -> str:
+    """Where /metrics listens: ``--ft-metrics-host``, else loopback for a job on this machine
+    alone (standalone, or one node with a loopback endpoint), else every interface (Prometheus
+    scrapes each node)."""
+    if cfg.metrics_host is not None:
+        return cfg.metrics_host
+    host = spec.rdzv_endpoint.rpartition(":")[0] or spec.rdzv_endpoint
+    local = spec.standalone or (
+        spec.max_nodes == 1 and listen.is_loopback(listen.bind_address(host, single_node=True))
+    )
+    return listen.LOOPBACK if local else "0.0.0.0"
+
+
 def run(spec: largs.JobSpec, cfg: largs.lconfig.LauncherConfig) -> int:
+    # Before anything is created: the run directory, the workers' checkpoints and ledgers, the
+    # shared memory of the writers inherit it (077: private to the user).
+    os.umask(int(cfg.umask, 8))
     run_dir = (
         cfg.run_dir or default_run_dir("none" if spec.standalone else spec.rdzv_id)
     ).resolve()
-    run_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        print(
+            f"unbroken-run: error: cannot create the run directory {run_dir}: {e}", file=sys.stderr
+        )
+        return errors.EXIT_USAGE
     metrics = None
     if cfg.metrics_port is not None:
         from unbroken.dashboard.metrics import MetricsServer
 
         try:
-            metrics = MetricsServer(run_dir, port=cfg.metrics_port)
+            metrics = MetricsServer(run_dir, port=cfg.metrics_port, host=metrics_host(spec, cfg))
         except OSError as e:
             print(f"unbroken-run: error: {e}", file=sys.stderr)
             return errors.EXIT_USAGE
@@ -130,7 +152,7 @@ def _run(spec: largs.JobSpec, cfg: largs.lconfig.LauncherConfig, run_dir: Path) 
         else:
             logger.warning("cannot become a child subreaper: the warm pool is off")
     signals = SignalPipe(tuple(getattr(signal, s) for s in spec.stop_signals))
-    heartbeats = HeartbeatServer()
+    heartbeats = HeartbeatServer(key=HeartbeatServer.new_key())
     ledger = Ledger(run_dir, run=run_id, rank=ev.LAUNCHER_RANK)
     ledger.emit(
         ev.PROCESS_START,

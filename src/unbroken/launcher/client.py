@@ -1,6 +1,7 @@
 """The worker side of hang detection: ``heartbeat(step)`` tells the node's agent "still going".
 
-One UDP datagram on the loopback to ``UNBROKEN_HEARTBEAT_ADDR``; it never blocks and never
+One UDP datagram on the loopback to ``UNBROKEN_HEARTBEAT_ADDR``, signed with the job's secret
+``UNBROKEN_HEARTBEAT_KEY`` (HMAC-SHA256) when the agent gave one; it never blocks and never
 raises. Outside ``unbroken-run`` (no address in the environment) a call is a no-op costing a
 ``getpid`` and a comparison. Call it once per training step, after the step completes (the
 reference script does so right after its ledger step record); pass ``committed_step`` when a
@@ -15,6 +16,8 @@ Never imports torch. Imports of ours: ``unbroken.env``.
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
 import os
 import socket
@@ -26,11 +29,24 @@ from unbroken import env as uenv
 VERSION = 1
 
 
+def sign(key: bytes, payload: bytes) -> bytes:
+    """A signed datagram: the hex HMAC-SHA256 of ``payload`` under ``key``, a space, ``payload``."""
+    return hmac.new(key, payload, hashlib.sha256).hexdigest().encode() + b" " + payload
+
+
 class _Client:
     def __init__(
-        self, addr: tuple[str, int], *, rank: int, local_rank: int, round_: int, interval_s: float
+        self,
+        addr: tuple[str, int],
+        *,
+        rank: int,
+        local_rank: int,
+        round_: int,
+        interval_s: float,
+        key: bytes | None = None,
     ) -> None:
         self.addr = addr
+        self.key = key
         self.rank = rank
         self.local_rank = local_rank
         self.round = round_
@@ -65,7 +81,8 @@ class _Client:
         if finishing:
             msg["fin"] = True
         try:
-            self.sock.sendto(json.dumps(msg, separators=(",", ":")).encode(), self.addr)
+            payload = json.dumps(msg, separators=(",", ":")).encode()
+            self.sock.sendto(payload if self.key is None else sign(self.key, payload), self.addr)
         except OSError:  # agent gone, buffer full, ICMP refusal: the agent will notice by itself
             return
         self.last_sent = now
@@ -98,6 +115,7 @@ def _get() -> _Client | None:
             local_rank=target.local_rank,
             round_=target.round,
             interval_s=target.interval_s,
+            key=target.key,
         )
     except (ValueError, OSError):
         _client = None

@@ -12,6 +12,7 @@ import ast
 import dataclasses
 import functools
 import inspect
+import math
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
@@ -32,6 +33,8 @@ DEFAULT_PRELOAD = (
 )
 
 _MODULE_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
+_HOST = re.compile(r"^[A-Za-z0-9_.:\[\]-]{1,253}$")
+_OCTAL = re.compile(r"^0?[0-7]{1,3}$")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -66,13 +69,21 @@ class LauncherConfig:
     max_no_progress_restarts: int = 3
     """Give up after this many restarts in a row without a new step (0: never)."""
     metrics_port: int | None = None
-    """Serve the run's Prometheus /metrics on this port, all interfaces (0: any free port)."""
+    """Serve the run's Prometheus /metrics on this port (0: any free port)."""
+    metrics_host: str | None = None
+    """Address /metrics listens on (default: 127.0.0.1 for a job on this machine alone, else all)."""
+    umask: str = "077"
+    """Octal umask of the agent and its workers: 077 makes run and checkpoint files private."""
     rdzv_poll_s: float = 1.0
     """Seconds between two looks at the rendezvous state while nodes gather (torch polls 1 s)."""
     membership_check_s: float = 1.0
     """Seconds between two checks, while training, for a lost node or a node waiting to join."""
 
     def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, float) and not math.isfinite(value):
+                raise ValueError(f"{f.name} must be a finite number, got {value}")
         for name in ("heartbeat_interval_s", "initial_timeout_s", "steady_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
@@ -97,6 +108,13 @@ class LauncherConfig:
                 f"max_no_progress_restarts must be >= 0 (0: off), got "
                 f"{self.max_no_progress_restarts}"
             )
+        if self.metrics_host is not None and not _HOST.match(self.metrics_host):
+            raise ValueError(
+                f"metrics_host must be an address or host name like 0.0.0.0, got "
+                f"{self.metrics_host!r}"
+            )
+        if not (_OCTAL.match(self.umask) and int(self.umask, 8) <= 0o777):
+            raise ValueError(f"umask must be octal digits like 077 or 022, got {self.umask!r}")
         if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
             raise ValueError(f"metrics_port must be a TCP port 0-65535, got {self.metrics_port}")
         for name in ("rdzv_poll_s", "membership_check_s"):
@@ -131,9 +149,11 @@ def field_docs() -> dict[str, str]:
 
 
 def kind_of(name: str) -> str:
-    """The value kind of a field: bool, int, float, path, modules, port (an int or None)."""
+    """The value kind of a field: bool, int, float, path, text, modules, port (an int or None)."""
     if name in ("run_dir", "error_file"):
         return "path"
+    if name in ("metrics_host", "umask"):
+        return "text"
     if name == "preload":
         return "modules"
     if name == "metrics_port":
@@ -148,28 +168,44 @@ def coerce(name: str, value: Any, *, source: str) -> Any:
     """Convert a YAML or CLI value for field ``name``; ValueError names the source."""
     kind = kind_of(name)
     if value is None:
-        if kind in ("path", "port"):
+        if kind in ("path", "port") or name == "metrics_host":
             return None
         raise ValueError(f"{source}: {name} needs a value, got null")
     if kind == "path":
-        return Path(str(value))
+        if not isinstance(value, str) or not value or "\0" in value:
+            raise ValueError(f"{source}: {name} must be a path, got {value!r:.80}")
+        return Path(value)
+    if kind == "text":
+        if not isinstance(value, str):
+            hint = (
+                ' (quote it: umask: "077"; YAML reads 077 as a number)' if name == "umask" else ""
+            )
+            raise ValueError(f"{source}: {name} must be a string, got {value!r:.80}{hint}")
+        return value
     if kind == "modules":
         items = value.split(",") if isinstance(value, str) else value
-        if not isinstance(items, (list, tuple)):
-            raise ValueError(f"{source}: {name} must be a list of module names, got {value!r}")
-        return tuple(str(m).strip() for m in items if str(m).strip())
+        if not isinstance(items, (list, tuple)) or not all(isinstance(m, str) for m in items):
+            raise ValueError(f"{source}: {name} must be a list of module names, got {value!r:.80}")
+        return tuple(m.strip() for m in items if m.strip())
     if kind == "bool":
         if isinstance(value, bool):
             return value
         raise ValueError(f"{source}: {name} must be true or false, got {value!r}")
-    if isinstance(value, bool):
-        raise ValueError(f"{source}: {name} must be a number, got {value!r}")
+    what = "a finite number" if kind == "float" else "an integer"
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        raise ValueError(f"{source}: {name} must be {what}, got {value!r:.80}")
     try:
-        return int(value) if kind in ("int", "port") else float(value)
-    except (TypeError, ValueError):
-        raise ValueError(
-            f"{source}: {name} must be a{' number' if kind == 'float' else 'n int'}, got {value!r}"
-        ) from None
+        if kind == "float":
+            out: float = float(value)
+        elif isinstance(value, float):
+            out = int(value) if value.is_integer() else math.nan  # 1.5 is no integer
+        else:
+            out = int(value)
+    except (TypeError, ValueError, OverflowError):
+        raise ValueError(f"{source}: {name} must be {what}, got {value!r:.80}") from None
+    if isinstance(out, float) and not math.isfinite(out):
+        raise ValueError(f"{source}: {name} must be {what}, got {value!r:.80}")
+    return out
 
 
 def load_yaml(path: str | Path) -> dict[str, Any]:
@@ -179,13 +215,15 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
         raise FileNotFoundError(f"launcher config {p} does not exist")
     try:
         obj = yaml.safe_load(p.read_text())
-    except yaml.YAMLError as e:
-        raise ValueError(f"{p}: not valid YAML: {e}") from None
+    except (yaml.YAMLError, UnicodeDecodeError, RecursionError) as e:
+        raise ValueError(f"{p}: not valid YAML (UTF-8): {e}; fix the file") from None
+    except OSError as e:
+        raise ValueError(f"{p}: cannot read the launcher config: {e}") from None
     if obj is None:
         return {}
     if not isinstance(obj, Mapping):
         raise ValueError(f"{p}: expected a mapping of launcher options, got {obj!r:.80}")
-    unknown = sorted(set(obj) - set(FIELDS))
+    unknown = sorted(str(k) for k in set(obj) - set(FIELDS))
     if unknown:
         raise ValueError(f"{p}: unknown keys {unknown}; valid keys: {sorted(FIELDS)}")
     return {k: coerce(k, v, source=str(p)) for k, v in obj.items()}

@@ -5,7 +5,7 @@ Exit codes of ``unbroken-run``:
 ==========  ======================================================================
 0           every worker exited 0
 1           the launcher itself crashed (a bug: please report it)
-2           bad flags or configuration
+2           bad flags or configuration (also: a worker exited with ``EXIT_CONFIG``, 78)
 3           restart budget exhausted (``--max-restarts`` failures already restarted)
 4           no progress: ``max_no_progress_restarts`` restarts in a row without a new step
 5           rendezvous failed (timeout, closed by another agent, store unreachable)
@@ -40,6 +40,7 @@ EXIT_NO_PROGRESS = 4
 EXIT_RENDEZVOUS_FAILED = 5
 
 REASONS = {
+    EXIT_USAGE: "config_error",
     EXIT_BUDGET_EXHAUSTED: "restart_budget_exhausted",
     EXIT_NO_PROGRESS: "no_progress",
     EXIT_RENDEZVOUS_FAILED: "rendezvous_failed",

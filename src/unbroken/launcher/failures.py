@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from unbroken.errors import EXIT_CONFIG
 from unbroken.launcher import errors
 from unbroken.launcher.errors import Failure
+from unbroken.launcher.machine import CONFIG_CAUSE
 from unbroken.launcher.monitor import Hang
 from unbroken.launcher.workers import WorkerExit
 
@@ -18,6 +20,9 @@ def from_exit(x: WorkerExit, *, round_: int) -> Failure:
         error_message=x.error_message,
         oom_killed=x.oom_killed,
     )
+    if x.signum is None and x.exit_code == EXIT_CONFIG:
+        cause, category = CONFIG_CAUSE, "user"
+        message = f"configuration error (exit code {EXIT_CONFIG}): {message}"
     return Failure(
         rank=x.rank,
         local_rank=x.local_rank,

@@ -13,7 +13,8 @@
   (membership change; does not use the restart budget) or on a signal to the agent.
 - STOPPING -> RENDEZVOUS when a restart is allowed: membership changes always; failures while
   the budget lasts and while the no-progress guard allows it.
-- STOPPING -> FAILED otherwise, with a distinct exit code (see ``errors``).
+- STOPPING -> FAILED otherwise, with a distinct exit code (see ``errors``); at once, whatever
+  the budget, when a worker reported a configuration error (exit code 2).
 - RENDEZVOUS -> SUCCEEDED when the rendezvous is closed before this node ever joined a round
   (a hot spare, or a replacement pod that came after the job finished).
 
@@ -27,6 +28,9 @@ from dataclasses import dataclass
 
 from unbroken.launcher import errors
 from unbroken.launcher.errors import Failure
+
+CONFIG_CAUSE = "config"
+"""A failure's cause for a worker that exited with ``unbroken.errors.EXIT_CONFIG``."""
 
 
 class State(enum.Enum):
@@ -170,6 +174,8 @@ class Machine:
             return self._fail(128 + self.signal)
         if self.stop_reason is StopReason.MEMBERSHIP:
             return self._go(State.RENDEZVOUS)
+        if any(f.cause == CONFIG_CAUSE for f in self.failures):  # no restart can fix it
+            return self._fail(errors.EXIT_USAGE)
         if progress is not None:  # a job that reports no step is never stopped for it
             if self._last_progress is not None and progress <= self._last_progress:
                 self.no_progress_streak += 1

@@ -16,13 +16,17 @@ tests drive it with scripted heartbeats and times:
 - a worker "finishing" (past its last step, or restarting in-process) gets the configured
   initial timeout until its next heartbeat without that flag.
 
-Datagrams from an earlier round or another pid are ignored.
+Datagrams from an earlier round or another pid are ignored, and so are datagrams not signed
+with the job's secret (HMAC-SHA256; see ``parse_datagram``) or not shaped like a heartbeat.
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
 import logging
+import secrets
 import socket
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -37,15 +41,64 @@ logger = logging.getLogger(__name__)
 STATE_FILE = "heartbeats.json"
 
 
-class HeartbeatServer:
-    """The agent's UDP socket; ``drain()`` returns every pending, well-formed datagram."""
+_INT_FIELDS = ("lr", "rank", "pid", "round")
+_OPT_INT_FIELDS = ("step", "committed")
+_MAC_HEX = 64  # hex digits of an HMAC-SHA256
 
-    def __init__(self, host: str = "127.0.0.1") -> None:
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def parse_datagram(data: bytes, key: bytes | None) -> dict[str, Any] | None:
+    """A heartbeat's fields, or None for a datagram that is not one of this job's.
+
+    With ``key``, a datagram is ``<hex HMAC-SHA256 of the payload> <payload>`` (``client.sign``)
+    and one without a valid MAC is rejected; without, the payload alone. The payload is a JSON
+    object with integer ``lr``/``rank``/``pid``/``round`` and integer-or-null ``step`` and
+    ``committed``. Never raises.
+    """
+    if key is not None:
+        mac, payload = data[:_MAC_HEX], data[_MAC_HEX + 1 :]
+        want = hmac.new(key, payload, hashlib.sha256).hexdigest().encode()
+        if data[_MAC_HEX : _MAC_HEX + 1] != b" " or not hmac.compare_digest(mac, want):
+            return None
+        data = payload
+    try:
+        msg = json.loads(data)
+    except (ValueError, RecursionError):
+        return None
+    if not isinstance(msg, dict):
+        return None
+    if not all(_is_int(msg.get(k)) for k in _INT_FIELDS):
+        return None
+    if not all(msg.get(k) is None or _is_int(msg.get(k)) for k in _OPT_INT_FIELDS):
+        return None
+    return msg
+
+
+class HeartbeatServer:
+    """The agent's UDP socket; ``drain()`` returns every pending, well-formed datagram.
+
+    It listens on the loopback (workers are on the agent's node). With ``key`` (the agent
+    makes one per job: ``new_key()``), only datagrams signed with it count; the others are
+    dropped and counted in ``rejected`` (logged once), never an error.
+    """
+
+    def __init__(self, host: str = "127.0.0.1", *, key: bytes | None = None) -> None:
+        self.key = key
+        self.rejected = 0
+        """Datagrams dropped: malformed, unsigned or signed with another key."""
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
         self.sock.bind((host, 0))
         self.sock.setblocking(False)
         host, port = self.sock.getsockname()[:2]
         self.addr = f"{host}:{port}"
+
+    @staticmethod
+    def new_key() -> bytes:
+        """A fresh per-job heartbeat secret."""
+        return secrets.token_bytes(32)
 
     def fileno(self) -> int:
         return self.sock.fileno()
@@ -59,12 +112,17 @@ class HeartbeatServer:
                 return out
             except OSError:
                 return out
-            try:
-                msg = json.loads(data)
-            except ValueError:
-                continue
-            if isinstance(msg, dict) and isinstance(msg.get("lr"), int):
+            msg = parse_datagram(data, self.key)
+            if msg is not None:
                 out.append(msg)
+                continue
+            self.rejected += 1
+            log = logger.warning if self.rejected == 1 else logger.debug
+            log(
+                "ignored a heartbeat datagram that is not this job's (malformed or not signed "
+                "with its key; %d so far)",
+                self.rejected,
+            )
 
     def close(self) -> None:
         self.sock.close()

@@ -7,6 +7,8 @@ job; workers get its address as ``UNBROKEN_STORE_ADDR``). On top of each complet
 - the agent of group rank 0 draws the round id from a job-wide counter in the job store
   (``unbroken/<rdzv_id>/round``), so every agent and worker agrees on it;
 - that agent starts a brand-new TCPStore server on a free port for the round's workers
+  (both stores an agent hosts listen where ``listen.bind_address`` says: loopback for a
+  single-node job)
   (``MASTER_ADDR``/``MASTER_PORT``, ``TORCHELASTIC_USE_AGENT_STORE=True``) and publishes its
   address under a round-scoped key. A worker of round N can never read a key a worker of
   round N-1 wrote, so no restarted worker dials a dead peer's stale address
@@ -40,6 +42,7 @@ from datetime import timedelta
 from typing import Any
 
 from unbroken import env as uenv
+from unbroken.launcher import listen
 from unbroken.launcher.args import JobSpec
 from unbroken.launcher.errors import LauncherError
 
@@ -130,7 +133,10 @@ class C10dRendezvous:
         uenv.set_for_torch(uenv.TORCH_DISABLE_SHARE_RDZV_TCP_STORE, "1")
         import torch.distributed as dist
         from torch.distributed.elastic.rendezvous import RendezvousParameters
-        from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import create_backend
+        from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import (
+            C10dRendezvousBackend,
+            create_backend,
+        )
         from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
             DynamicRendezvousHandler,
             RendezvousSettings,
@@ -174,7 +180,11 @@ class C10dRendezvous:
             keep_alive_max_attempt=attempts,
         )
         try:
-            backend, store = create_backend(params)
+            if str(conf.get("store_type", "tcp")).strip().lower() == "tcp":
+                store = self._job_store(dist, params)
+                backend = C10dRendezvousBackend(store, spec.rdzv_id)
+            else:
+                backend, store = create_backend(params)
             # The shared state is cached for a second between two reads; look as often as polled.
             holder = _BackendRendezvousStateHolder(backend, settings, cache_duration=poll_s)  # type: ignore[arg-type]
             self.handler = DynamicRendezvousHandler(node, settings, backend.name, store, holder)
@@ -191,6 +201,29 @@ class C10dRendezvous:
         self._rounds = 0
         self._joined = False
         self._members: set[Any] = set()
+
+    def _job_store(self, dist: Any, params: Any) -> Any:
+        """The job store, as torch's c10d backend makes it (host it when this agent is the
+        endpoint's, else connect), except that a hosted one listens on ``listen.bind_address``
+        of the endpoint, not on every interface."""
+        from torch.distributed.elastic.rendezvous.utils import _matches_machine_hostname
+
+        host, port = _split(self.spec.rdzv_endpoint)
+        timeout = timedelta(seconds=int(params.get_as_int("read_timeout", 60)))
+        is_host = self.spec.is_host
+        if is_host is None:
+            is_host = _matches_machine_hostname(host)
+        if is_host:
+            bind = listen.bind_address(host, single_node=self.spec.max_nodes == 1)
+            try:
+                return listen.listening_store(
+                    dist, host, port, bind=bind, timeout=timeout, multi_tenant=True
+                )
+            except (RuntimeError, ValueError, TimeoutError, OSError):
+                if self.spec.is_host is not None:
+                    raise
+                # Guessed from the hostname: another agent on this machine may host it.
+        return dist.TCPStore(host, port, is_master=False, multi_tenant=True, timeout=timeout)
 
     def next_round(self) -> RoundInfo:
         """Join the next round (blocks until it completes or times out)."""
@@ -212,8 +245,12 @@ class C10dRendezvous:
         rstore.set(f"unbroken/nproc/{group_rank}", str(self.spec.nproc_per_node))
         if group_rank == 0:
             round_id = int(self.job_store.add(f"unbroken/{self.spec.rdzv_id}/round", 1)) - 1
-            self._worker_store = self._dist.TCPStore(
-                self.node_addr, 0, None, True, timeout=timeout, wait_for_workers=False
+            self._worker_store = listen.listening_store(
+                self._dist,
+                self.node_addr,
+                0,
+                bind=listen.bind_address(self.node_addr, single_node=self.spec.max_nodes == 1),
+                timeout=timeout,
             )
             published: dict[str, Any] = {
                 "round": round_id,

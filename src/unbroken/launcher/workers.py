@@ -164,6 +164,7 @@ class LocalWorkers:
                 uenv.UNBROKEN_RUN_ID: self.run_id,
                 uenv.UNBROKEN_HEARTBEAT_ADDR: self.heartbeats.addr,
                 uenv.UNBROKEN_HEARTBEAT_INTERVAL_S: repr(self.cfg.heartbeat_interval_s),
+                uenv.UNBROKEN_HEARTBEAT_KEY: (self.heartbeats.key or b"").hex(),
                 uenv.UNBROKEN_STORE_ADDR: info.store_addr,
                 uenv.UNBROKEN_AGENT_PID: str(self.agent_pid),
             }

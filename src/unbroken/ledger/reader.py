@@ -10,15 +10,67 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from array import array
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from unbroken.ledger.events import STEP, Event
+from unbroken.ledger.events import KINDS, STEP, Event
 
 logger = logging.getLogger(__name__)
+
+
+_INTS = ("rank", "attempt", "iteration")
+# Data fields the report reads as numbers: a record with another type there is not ours.
+_NUMBERS = ("dur_s",)
+_OPT_INTS = ("step",)
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v: Any) -> bool:
+    return (_is_int(v) or isinstance(v, float)) and math.isfinite(v)
+
+
+def parse_line(line: bytes | str) -> Event:
+    """One ledger line as an ``Event``; ValueError for anything that is not a record we wrote
+    (see ``checked_record``)."""
+    return Event.from_dict(checked_record(line))
+
+
+def checked_record(line: bytes | str) -> dict[str, Any]:
+    """One ledger line as the JSON object of a record; ValueError for anything else.
+
+    A record is a JSON object with a known ``kind`` (a string), a finite number ``ts``, integer
+    ``rank``/``attempt``/``iteration`` when present, a finite ``dur_s`` >= 0 and an integer (or
+    null) ``step`` when present. Nothing else is raised, whatever the bytes.
+    """
+    try:
+        obj = json.loads(line)
+    except RecursionError:
+        raise ValueError("a ledger line nested too deeply to be a record") from None
+    # json.loads raises ValueError (JSONDecodeError, UnicodeDecodeError) for the rest
+    if not isinstance(obj, dict):
+        raise ValueError(f"a ledger record is a JSON object, got {type(obj).__name__}")
+    kind = obj.get("kind")
+    if not isinstance(kind, str) or kind not in KINDS:
+        raise ValueError(f"a ledger record needs a known kind, got {kind!r:.80}")
+    if not _is_number(obj.get("ts")):
+        raise ValueError(f"a ledger record needs a finite number ts, got {obj.get('ts')!r:.80}")
+    for name in _INTS:
+        if name in obj and not _is_int(obj[name]):
+            raise ValueError(f"a ledger record's {name} is an integer, got {obj[name]!r:.80}")
+    for name in _NUMBERS:
+        if name in obj and not (_is_number(obj[name]) and obj[name] >= 0):
+            raise ValueError(f"a ledger record's {name} is a number >= 0, got {obj[name]!r:.80}")
+    for name in _OPT_INTS:
+        if obj.get(name) is not None and not _is_int(obj[name]):
+            raise ValueError(f"a ledger record's {name} is an integer, got {obj[name]!r:.80}")
+    return obj
 
 
 @dataclass
@@ -96,14 +148,14 @@ def read_run(run_dir: str | Path, *, fold_steps_except: int | None = None) -> Re
                 continue
             is_last = i == len(lines) - 1
             try:
-                obj = json.loads(line)
-                folds = digest is not None and isinstance(obj, dict) and obj.get("kind") == STEP
+                obj = checked_record(line)
+                folds = digest is not None and obj["kind"] == STEP
                 if folds and int(obj.get("rank", 0)) != fold_steps_except:
                     assert digest is not None
                     digest.add(obj)
                     continue
                 result.events.append(Event.from_dict(obj))
-            except (ValueError, KeyError, TypeError):
+            except ValueError:
                 if is_last and tail_torn:
                     result.torn_lines += 1
                 else:

@@ -14,7 +14,6 @@ A file that shrank or was replaced (not an append) resets the tail: everything i
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import stat
@@ -22,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from unbroken.ledger.events import Event
+from unbroken.ledger.reader import parse_line
 
 logger = logging.getLogger(__name__)
 
@@ -118,8 +118,8 @@ class LedgerTail:
             if not line.strip():
                 continue
             try:
-                out.append(Event.from_dict(json.loads(line)))
-            except (ValueError, KeyError, TypeError):
+                out.append(parse_line(line))
+            except ValueError:
                 self.bad_lines.append(f"{path.name}:{state.lines}")
         state.offset += end
         self.bytes_read += end

@@ -351,8 +351,12 @@ class Monitor:
             return
         if raw == _STOP.encode():
             return
-        report = json.loads(raw)
-        told = f"rank {report['rank']} reported {report['kind']}: {report['message']}"
+        try:
+            report = json.loads(raw)
+            told = f"rank {int(report['rank'])} reported {report['kind']}: {report['message']}"
+        except (ValueError, KeyError, TypeError, RecursionError):  # not written by a peer of ours
+            logger.warning("ignored a malformed wake-up in the coordination store: %.80r", raw)
+            return
         now = time.monotonic()
         with self._lock:
             suspect = self.watchdog.suspect(now, silent_s=now - self._probe.last_python)

@@ -20,6 +20,7 @@ iteration forms its process group under a fresh prefix.
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import os
 import select
@@ -141,10 +142,24 @@ class StoreHost:
         self.bootstrap = None
 
 
-def spawn_server(*, timeout_s: float) -> tuple[subprocess.Popen[str], int]:
-    """Start ``store_server`` as a child process; returns it and its port."""
+def bind_host(host: str, *, single_node: bool) -> str:
+    """Where a store that peers reach as ``host`` listens: the address ``host`` resolves to here
+    (loopback for a single-node job), "" (every interface) when that is unknown or is a
+    loopback address in a multi-node job."""
+    try:
+        addr = str(socket.getaddrinfo(host, None, socket.AF_INET, socket.SOCK_STREAM)[0][4][0])
+    except (OSError, UnicodeError, ValueError, IndexError):
+        return ""
+    if ipaddress.ip_address(addr).is_loopback:  # exactly that one (127.0.1.1 is not 127.0.0.1)
+        return addr if single_node else ""
+    return addr
+
+
+def spawn_server(*, timeout_s: float, host: str = "127.0.0.1") -> tuple[subprocess.Popen[str], int]:
+    """Start ``store_server`` as a child process listening on ``host`` ("": every interface);
+    returns it and its port."""
     proc = subprocess.Popen(
-        [sys.executable, "-m", "unbroken.restart.store_server", "--port", "0"],
+        [sys.executable, "-m", "unbroken.restart.store_server", "--port", "0", "--host", host],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,
@@ -203,7 +218,10 @@ def locate(
         multi_tenant=True,
     )
     if env.rank == 0:
-        proc, port = spawn_server(timeout_s=timeout_s)
+        single = env.local_world_size == env.world_size
+        proc, port = spawn_server(
+            timeout_s=timeout_s, host=bind_host(env.master_addr, single_node=single)
+        )
         spawned = StoreHost(env.master_addr, port, server=proc)
         spawned.bootstrap = boot
         boot.set(keys.store_addr(), spawned.addr)

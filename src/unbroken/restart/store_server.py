@@ -44,27 +44,46 @@ def _local_pids(store: object) -> list[int]:
     host = socket.gethostname()
     pids = []
     for raw in store.multi_get(keys) if keys else []:  # type: ignore[attr-defined]
-        h, _, pid = raw.decode().rpartition(":")
-        if h == host:
+        h, _, pid = raw.decode(errors="replace").rpartition(":")
+        if h == host and pid.isdigit():  # anything else is not a registration of ours
             pids.append(int(pid))
     return pids
+
+
+def _listen(host: str, port: int, timeout: timedelta) -> object:
+    """A TCPStore server listening on ``host`` only (torch's alone listens on every interface:
+    it adopts a socket bound here); ``host`` "": every interface."""
+    import torch.distributed as dist
+
+    if not host:
+        return dist.TCPStore(
+            "127.0.0.1", port, is_master=True, wait_for_workers=False, timeout=timeout
+        )
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(1024)
+    store = dist.TCPStore(
+        host,
+        sock.getsockname()[1],
+        None,
+        True,
+        timeout=timeout,
+        wait_for_workers=False,
+        master_listen_fd=sock.fileno(),
+    )
+    sock.detach()  # the store owns it now
+    return store
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m unbroken.restart.store_server")
     p.add_argument("--port", type=int, default=0, help="port to listen on (0: any)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on ('': every one)")
     args = p.parse_args(argv)
 
-    import torch.distributed as dist
-
-    store = dist.TCPStore(
-        "127.0.0.1",
-        args.port,
-        is_master=True,
-        wait_for_workers=False,
-        timeout=timedelta(seconds=30),
-    )
-    sys.stdout.write(f"port={store.port}\n")
+    store = _listen(args.host, args.port, timedelta(seconds=30))
+    sys.stdout.write(f"port={store.port}\n")  # type: ignore[attr-defined]
     sys.stdout.flush()
 
     stop = threading.Event()
@@ -79,7 +98,12 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     threading.Thread(target=read_stdin, name="store-stdin", daemon=True).start()
     while not stop.wait(_POLL_S):
-        if orphaned.is_set() and not any(_alive(pid) for pid in _local_pids(store)):
+        try:
+            pids = _local_pids(store) if orphaned.is_set() else [os.getpid()]
+        except RuntimeError as e:  # the store is ours: it answers unless it is shutting down
+            print(f"store_server: cannot read registrations: {e}", file=sys.stderr)
+            pids = [os.getpid()]
+        if not any(_alive(pid) for pid in pids):
             break
     # Give clients that raced the stop a moment to read their last answers.
     time.sleep(0.05)

@@ -13,6 +13,12 @@ One iteration, on every rank (main thread):
    ranks and go to 1, or escalate;
 4. a rank left out raises ``RankExcluded``; on escalation every rank raises ``Escalated``.
 
+A configuration error is not a fault: no restart fixes it. ``fn`` raising ``ConfigError``, or
+any ``ValueError`` before it completed its first step in the first iteration of the first
+launcher attempt (bad input found while setting up), ends ``run`` on that rank at once as a
+``ConfigError`` (``unbroken.main`` exits with ``EXIT_CONFIG``; ``unbroken-run`` then ends the
+job with exit code 2); its peers are told, as for ``KeyboardInterrupt``.
+
 Before returning (or raising), every rank writes ``bye/<member>``; the rank that started the
 store server waits for every member's bye, then stops it. No thread or process of ours
 outlives ``run``.
@@ -31,6 +37,7 @@ from typing import Any, TypeVar
 import torch.distributed as dist
 
 from unbroken.env import WorkerEnv
+from unbroken.errors import ConfigError
 from unbroken.ledger import NULL, Recorder
 from unbroken.ledger import events as ev
 from unbroken.restart import assign, pg
@@ -295,7 +302,10 @@ class _Runner:
         outcome = self.interrupter.invoke(self.fn, ctx)
         detection, seq = self.monitor.fn_exited(outcome.error)
         ctx._exited(outcome.error)
-        fatal = isinstance(outcome.error, (KeyboardInterrupt, SystemExit))
+        config_error = self._config_error(outcome.error, iteration, ctx.last_step)
+        fatal = config_error is not None or isinstance(
+            outcome.error, (KeyboardInterrupt, SystemExit)
+        )
         if detection is None:
             record = assign.ExitRecord(
                 member=self.member, rank=rank, kind=assign.OK, last_step=ctx.last_step
@@ -329,12 +339,28 @@ class _Runner:
                 self.client.set(self.keys.health(iteration, self.member), '{"ok": false}')
             except (RuntimeError, dist.DistStoreError):
                 pass
-            raise error
+            raise config_error or error
         # fn's frames (its model, its process group) die on the reaper, off this path.
         self.reaper.drop((outcome, ctx))
         self.reaper.call(self._collect)
         del outcome, ctx, error
         return record, None, began
+
+    def _config_error(
+        self, error: BaseException | None, iteration: int, last_step: int | None
+    ) -> ConfigError | None:
+        """``error`` as a configuration error (see the module docstring), else None."""
+        if isinstance(error, ConfigError):
+            return error
+        setting_up = iteration == 0 and self.env.restart_count == 0 and last_step is None
+        if setting_up and isinstance(error, ValueError):
+            config_error = ConfigError(
+                f"{type(error).__name__} before the first step: {error} (a configuration "
+                "error: not restarted; fix the input and start the job again)"
+            )
+            config_error.__cause__ = error
+            return config_error
+        return None
 
     def _collect(self) -> None:
         """On the reaper, while the main thread waits for it: free the failed iteration, then
@@ -362,6 +388,9 @@ class _Runner:
         except (RuntimeError, dist.DistStoreError) as e:
             self.ledger.emit(ev.ESCALATE, reason=f"coordination store failed: {e}")
             raise Escalated(f"the coordination store failed between iterations: {e}") from e
+        except (ValueError, KeyError, TypeError) as e:  # a value no rank of ours wrote
+            self.ledger.emit(ev.ESCALATE, reason=f"malformed coordination store value: {e}")
+            raise Escalated(f"a malformed value in the coordination store: {e!r}") from e
 
     # --- the end -----------------------------------------------------------------------------
     def close(self) -> None:

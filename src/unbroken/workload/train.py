@@ -50,6 +50,7 @@ from unbroken import heartbeat, restart
 from unbroken.checkpoint import Checkpointer, PerRank, WriterHooks
 from unbroken.checkpoint.interval import AdaptiveInterval
 from unbroken.env import WorkerEnv
+from unbroken.errors import EXIT_CONFIG, ConfigError
 from unbroken.faults import FaultInjector, FaultPlan, load_plan
 from unbroken.ledger import Ledger, install_sigterm_flush, process_start_time
 from unbroken.ledger import events as ev
@@ -60,117 +61,13 @@ from unbroken.workload import data as wdata
 from unbroken.workload import model as wmodel
 from unbroken.workload import saving
 from unbroken.workload.dist import default_backend, init_process_group
+from unbroken.workload.flags import build_parser, check_args
 from unbroken.workload.parallel import wrap_model
 from unbroken.workload.rng import capture_rng_state, restore_rng_state
 from unbroken.workload.rundir import claim_dirs, default_run_dir, job_identity
 from unbroken.workload.statehash import state_sha256
 
 logger = logging.getLogger("unbroken.workload.train")
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="python -m unbroken.workload.train",
-        description="unbroken's reference training job (Llama-style model, synthetic language).",
-    )
-    p.add_argument("--model", default="tiny", help="model size: %(default)s; see SIZES")
-    p.add_argument("--steps", type=int, default=50, help="number of training steps")
-    p.add_argument("--batch-size", type=int, default=8, help="samples per rank per step")
-    p.add_argument(
-        "--global-batch",
-        type=int,
-        default=None,
-        help="samples per step across all ranks (overrides --batch-size; must divide evenly)",
-    )
-    p.add_argument("--seq-len", type=int, default=64, help="tokens per sample")
-    p.add_argument("--seed", type=int, default=0, help="seed of the model, data and order")
-    p.add_argument("--parallel", choices=["fsdp", "ddp", "none"], default="fsdp")
-    p.add_argument(
-        "--run-dir",
-        default=None,
-        help="where the ledger and results go (default: runs/<the launcher's run id>)",
-    )
-    p.add_argument(
-        "--resume",
-        action="store_true",
-        help="continue the run another job left in --run-dir, restoring its checkpoints",
-    )
-    p.add_argument("--faults", default=None, help="a fault plan (YAML)")
-    p.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate")
-    p.add_argument("--num-samples", type=int, default=1 << 16, help="samples per epoch")
-    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
-    p.add_argument("--pg-timeout-s", type=float, default=60.0, help="collective timeout")
-    p.add_argument("--log-every", type=int, default=10, help="log the loss every N steps")
-    p.add_argument(
-        "--no-inprocess",
-        action="store_true",
-        help="no in-process restart: a fault ends the process (the launcher restarts it)",
-    )
-    p.add_argument(
-        "--soft-timeout-s",
-        type=float,
-        default=None,
-        help="no step for this long: restart (default: calibrated from the step times, <= 60 s)",
-    )
-    p.add_argument(
-        "--hard-timeout-s",
-        type=float,
-        default=None,
-        help="no step for this long: kill the rank (default: derived from the soft timeout)",
-    )
-    p.add_argument(
-        "--max-rank-faults",
-        type=int,
-        default=3,
-        help="in-process restart hands over to the launcher once one rank caused this many faults",
-    )
-    p.add_argument(
-        "--ckpt-every", type=int, default=0, help="checkpoint after every N steps (0: off)"
-    )
-    p.add_argument(
-        "--snapshot-every",
-        type=int,
-        default=0,
-        help="also snapshot to memory only after every N steps, between checkpoints (0: off)",
-    )
-    p.add_argument(
-        "--no-memory-tier",
-        action="store_true",
-        help="keep no snapshots in memory: every restore reads the newest checkpoint on disk",
-    )
-    p.add_argument("--ckpt-dir", default=None, help="checkpoint directory (<run_dir>/ckpt)")
-    p.add_argument("--ckpt-mode", choices=["async", "sync"], default="async")
-    p.add_argument("--ckpt-keep", type=int, default=2, help="committed checkpoints to keep")
-    p.add_argument(
-        "--ckpt-on-busy",
-        choices=["skip", "wait"],
-        default="skip",
-        help="a save due while the previous one persists: skip it, or wait for the previous",
-    )
-    p.set_defaults(job=None)  # this job's identity, set by main (job_identity)
-    saving.add_flags(p)
-    return p
-
-
-def _check_args(args: argparse.Namespace, world_size: int) -> int:
-    """Validate flags against the world; returns the global batch."""
-    if args.steps < 0:
-        raise ValueError(f"--steps must be >= 0, got {args.steps}")
-    if args.seq_len < 2:
-        raise ValueError(f"--seq-len must be >= 2, got {args.seq_len}")
-    if args.ckpt_every < 0:
-        raise ValueError(f"--ckpt-every must be >= 0 (0: no checkpoints), got {args.ckpt_every}")
-    if args.snapshot_every < 0:
-        raise ValueError(f"--snapshot-every must be >= 0 (0: off), got {args.snapshot_every}")
-    if args.snapshot_every and args.no_memory_tier:
-        raise ValueError("--snapshot-every needs the memory tier: drop --no-memory-tier")
-    global_batch = args.global_batch or args.batch_size * world_size
-    if global_batch <= 0 or global_batch % world_size:
-        raise ValueError(
-            f"global batch {global_batch} is not a positive multiple of the world size "
-            f"{world_size}; pick --global-batch or --batch-size accordingly"
-        )
-    return int(global_batch)
 
 
 def _device(choice: str, env: WorkerEnv) -> torch.device:
@@ -260,9 +157,12 @@ class _NoRestartContext:
 
 def train(args: argparse.Namespace, env: WorkerEnv, ledger: Ledger, run_dir: Path) -> str:
     """The training job; returns the final state hash."""
-    global_batch = _check_args(args, env.world_size)
-    plan = load_plan(args.faults, world_size=env.world_size) if args.faults else FaultPlan()
-    plan.check_world(env.world_size)
+    try:  # bad flags, a bad plan: no restart fixes them (exit EXIT_CONFIG, see main)
+        global_batch = check_args(args, env.world_size)
+        plan = load_plan(args.faults, world_size=env.world_size) if args.faults else FaultPlan()
+        plan.check_world(env.world_size)
+    except (ValueError, FileNotFoundError) as e:
+        raise ConfigError(str(e)) from e
     injector = FaultInjector(
         plan,
         run_dir=run_dir,
@@ -432,16 +332,21 @@ def train_once(
 @record
 def main(argv: Sequence[str] | None = None) -> int:
     started = process_start_time()
-    args = build_parser().parse_args(argv)
-    init_logging()
     env = WorkerEnv.from_environ()
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as e:  # under a launcher, a usage error must not be restarted
+        if e.code == 2 and env.launched:
+            raise SystemExit(EXIT_CONFIG) from None
+        raise
+    init_logging()
     run_dir = Path(args.run_dir or env.run_dir or default_run_dir(env)).resolve()
     args.job = job_identity(env)
     try:
         claim_dirs(args, run_dir)  # held until the process exits
-    except DirectoryOwned as e:
+    except DirectoryOwned as e:  # a usage error: under a launcher, not to be restarted
         logger.error("%s", e)
-        return 2
+        return EXIT_CONFIG if env.launched else 2
     ledger = Ledger(run_dir, run=run_id_for(env, run_dir), rank=env.rank, attempt=env.restart_count)
     install_sigterm_flush(ledger)
     ledger.emit(
@@ -469,6 +374,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (KeyboardInterrupt, SystemExit):
         ledger.close()
         raise
+    except ConfigError as e:  # not a fault: the launcher ends the job (exit 2)
+        get_error_handler().record_exception(e)
+        logger.error("configuration error: %s", e)
+        ledger.close()
+        return EXIT_CONFIG
     except BaseException as e:
         ledger.emit(
             ev.FAULT_DETECTED,
