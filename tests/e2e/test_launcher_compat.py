@@ -67,7 +67,9 @@ def test_no_python_with_redirects_and_tee(tmp_path: Path) -> None:
     assert [r["all_reduce"] for r in _records(out, 2)] == [3.0, 3.0]
     # <log_dir>/<run id>/attempt_<round>/<rank>/{stdout,stderr}.log, as torchrun lays them out
     files = {p.relative_to(logs).as_posix(): p.read_text() for p in logs.rglob("*.log")}
-    prefix = f"{tmp_path.name}/attempt_0"
+    [run_logs] = logs.iterdir()  # the run id: the run dir's name and this launch's own id
+    assert run_logs.name.startswith(f"{tmp_path.name}-")
+    prefix = f"{run_logs.name}/attempt_0"
     assert "hello from rank 1" in files[f"{prefix}/1/stdout.log"]
     assert "error line from rank 0" in files[f"{prefix}/0/stderr.log"]
     assert "[default0]:hello from rank 0" in res.output  # local rank 0's stdout is teed
@@ -85,3 +87,41 @@ def test_bad_flags_exit_2(tmp_path: Path) -> None:
     res = run(cmd, timeout_s=60)
     assert res.returncode == 2
     assert "heartbeat_interval_s" in res.output
+
+
+def test_a_second_launch_into_a_used_run_dir_is_refused_unless_it_resumes(tmp_path: Path) -> None:
+    """One job per run directory: a later standalone launch is another job (its own run id),
+    refused with the owner named (exit 2, the first run's ledger untouched); --ft-resume
+    continues the first run under its run id."""
+    out = tmp_path / "out"
+    out.mkdir()
+
+    def launch(*extra: str):
+        cmd = unbroken_run_cmd(
+            tmp_path / "run",
+            nproc=1,
+            steps=None,
+            target=[str(SCRIPT), str(out)],
+            launcher_args=list(extra),
+        )
+        return run(cmd, timeout_s=120)
+
+    def runs() -> set[str]:
+        events = tmp_path / "run" / "events"
+        return {
+            json.loads(line)["run"]
+            for p in events.glob("*.jsonl")
+            for line in p.read_text().splitlines()
+        }
+
+    assert launch().returncode == 0
+    [first] = runs()
+    ledger = sorted((tmp_path / "run" / "events").glob("*.jsonl"))
+    before = [p.read_bytes() for p in ledger]
+    refused = launch()
+    assert refused.returncode == 2, refused.output[-2000:]
+    assert f"belongs to job {first!r}" in refused.output and "--ft-resume" in refused.output
+    assert [p.read_bytes() for p in ledger] == before
+    resumed = launch("--ft-resume")
+    assert resumed.returncode == 0, resumed.output[-2000:]
+    assert runs() == {first}

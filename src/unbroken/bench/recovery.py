@@ -167,6 +167,8 @@ def _run_unbroken(
         "0.05",
         "--ft-run-dir",
         str(run_dir),
+        # A node-loss relaunches this command (a replaced pod): it continues the same run.
+        "--ft-resume",
         # The launcher's hang timeout sits above in-process restart's hard timeout.
         "--ft-steady-timeout-s",
         str(a.hang_timeout_s * (4 if inprocess else 1)),

@@ -20,13 +20,14 @@ from pathlib import Path
 from unbroken import env as uenv
 from unbroken.launcher import args as largs
 from unbroken.launcher import bootstrap, errors, listen
+from unbroken.launcher import config as lconfig
 from unbroken.launcher.agent import Agent
 from unbroken.launcher.errors import Failure
 from unbroken.launcher.monitor import STATE_FILE, HeartbeatServer, HeartbeatTracker, Observed
 from unbroken.launcher.signals import SignalPipe
 from unbroken.launcher.workers import LocalWorkers
 from unbroken.launcher.zygote import Zygote
-from unbroken.ledger import Ledger, process_start_time
+from unbroken.ledger import Ledger, owner, process_start_time
 from unbroken.ledger import events as ev
 from unbroken.log import init_logging
 from unbroken.version import __version__
@@ -44,12 +45,36 @@ def node_addr(spec: largs.JobSpec) -> str:
 
 
 def job_run_id(spec: largs.JobSpec, run_dir: Path | None) -> str:
-    """The ledger's run id: the rendezvous id, or the run dir's name for a standalone job."""
+    """The ledger's run id, shared by every process of the job and across its restarts: the
+    rendezvous id of a multi-node job (every node agrees on it; the run dir's name when it is
+    "none"); for a standalone job, new at every launch (the run dir's name and the random
+    rendezvous id's head), so that a later launch into the same run dir is another job."""
     if not spec.standalone and spec.rdzv_id not in ("", "none"):
         return spec.rdzv_id
-    if run_dir is not None:
-        return run_dir.name
-    return spec.rdzv_id
+    if run_dir is None:
+        return spec.rdzv_id
+    if spec.standalone:
+        return f"{run_dir.name}-{spec.rdzv_id.replace('-', '')[:8]}"
+    return run_dir.name
+
+
+def claim_run_dir(spec: largs.JobSpec, cfg: lconfig.LauncherConfig, run_dir: Path) -> str:
+    """Claim ``run_dir`` for this job (``unbroken.ledger.owner``) and return the job's run id.
+
+    A run dir another job is using is refused; one another job used before is refused too,
+    unless ``--ft-resume``: this launch then continues that run (its run id, so its ledger,
+    checkpoints and fired faults go on). DirectoryOwned (a ValueError) names the owner."""
+    run_id = job_run_id(spec, run_dir)
+    previous = owner.OwnerRecord.read(run_dir)
+    if cfg.resume and previous is not None:
+        run_id = previous.job
+    owner.claim(
+        run_dir,
+        job=run_id,
+        takeover=cfg.resume,
+        hint="pass --ft-resume to continue that run on purpose, or choose another --ft-run-dir",
+    )
+    return run_id
 
 
 def default_run_dir(run_id: str) -> Path:
@@ -123,6 +148,11 @@ def run(spec: largs.JobSpec, cfg: largs.lconfig.LauncherConfig) -> int:
             f"unbroken-run: error: cannot create the run directory {run_dir}: {e}", file=sys.stderr
         )
         return errors.EXIT_USAGE
+    try:  # held until the agent exits (its process's death drops it)
+        run_id = claim_run_dir(spec, cfg, run_dir)
+    except ValueError as e:
+        print(f"unbroken-run: error: {e}", file=sys.stderr)
+        return errors.EXIT_USAGE
     metrics = None
     if cfg.metrics_port is not None:
         from unbroken.dashboard.metrics import MetricsServer
@@ -133,14 +163,13 @@ def run(spec: largs.JobSpec, cfg: largs.lconfig.LauncherConfig) -> int:
             print(f"unbroken-run: error: {e}", file=sys.stderr)
             return errors.EXIT_USAGE
     try:
-        return _run(spec, cfg, run_dir)
+        return _run(spec, cfg, run_dir, run_id)
     finally:
         if metrics is not None:
             metrics.close()
 
 
-def _run(spec: largs.JobSpec, cfg: largs.lconfig.LauncherConfig, run_dir: Path) -> int:
-    run_id = job_run_id(spec, run_dir)
+def _run(spec: largs.JobSpec, cfg: largs.lconfig.LauncherConfig, run_dir: Path, run_id: str) -> int:
     error_path = cfg.error_path(run_dir)
     error_path.unlink(missing_ok=True)  # a previous run's
     base_env = _base_env(spec)

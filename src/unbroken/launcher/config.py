@@ -72,6 +72,9 @@ class LauncherConfig:
     """Serve the run's Prometheus /metrics on this port (0: any free port)."""
     metrics_host: str | None = None
     """Address /metrics listens on (default: 127.0.0.1 for a job on this machine alone, else all)."""
+    resume: bool = False
+    """Continue the run a previous launch left in the run directory (its run id, ledger,
+    checkpoints) instead of refusing the directory; a relaunched node of the same job needs it."""
     umask: str = "077"
     """Octal umask of the agent and its workers: 077 makes run and checkpoint files private."""
     rdzv_poll_s: float = 1.0
