@@ -52,6 +52,7 @@ from unbroken.checkpoint.staging import Pairs, Staging
 from unbroken.ledger import NULL, Recorder
 from unbroken.ledger import events as ev
 from unbroken.ledger.active import current as active_ledger
+from unbroken.mask import masked
 
 __all__ = ["CheckpointStats", "Checkpointer"]
 
@@ -260,15 +261,20 @@ class Checkpointer:
         self._check()
 
     def close(self) -> None:
-        """Wait for the in-flight save to be committed, then stop the writer. Idempotent."""
+        """Wait for the in-flight save to be committed, then stop the writer. Idempotent.
+        Interrupted while waiting (a restart interrupt, Ctrl-C): ``abort`` instead."""
         if self._closed:
             return
         try:
             if not self._inflight.fatal:
                 self.wait()
-        finally:
-            self._closed = True
-            self._shutdown()
+        except Exception:
+            self._stop()
+            raise
+        except BaseException:
+            self.abort()
+            raise
+        self._stop()
         fatal = self._inflight.fatal
         if fatal and not self._inflight.fatal_raised:
             self._inflight.fatal_raised = True
@@ -382,9 +388,11 @@ class Checkpointer:
         else:
             self.abort()
 
+    @masked
     def abort(self) -> None:
         """Stop the writer now, without waiting for the in-flight save (it is lost, never
-        half-visible). For error paths; idempotent, and a no-op after ``close``."""
+        half-visible). For error paths; idempotent, and a no-op after ``close``. Masked
+        (``unbroken.mask``): a restart interrupt waits for it to complete."""
         if self._closed:
             return
         self._closed = True
@@ -399,6 +407,12 @@ class Checkpointer:
         if self._closed:
             raise CheckpointError("this Checkpointer is closed")
         self._inflight.check()
+
+    @masked
+    def _stop(self) -> None:
+        """``close``'s end, after the wait: closed, the writer stopped, the arena freed."""
+        self._closed = True
+        self._shutdown()
 
     def _shutdown(self, *, keep_snapshot: bool = False) -> None:
         """Stop staging and the writer and free the arena; with ``keep_snapshot`` (an abort)

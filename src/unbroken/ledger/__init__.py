@@ -2,7 +2,7 @@
 
 Owns the event schema, the one ``Recorder`` protocol every recording component takes (and
 its null ``NULL``), and every figure derived from the records. Never imports torch, so any
-process (a launcher, the dashboard) can use it cheaply. Imports of ours: none.
+process (a launcher, the dashboard) can use it cheaply. Imports of ours: ``unbroken.mask``.
 """
 
 from unbroken.ledger import events, goodput, report
