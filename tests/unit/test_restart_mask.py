@@ -186,9 +186,9 @@ def test_abort_completes_when_the_interrupt_lands_inside_it(tmp_path: Path, poin
             ckpt.abort()
 
     out = _invoke_with_hook(intr, _interrupt_on_entry(intr, point), body)
+    _assert_stopped(ckpt, pid, fds_before)
     assert isinstance(out.error, RestartInterrupt)  # delivered, as abort returned
     assert intr.delivered == 1
-    _assert_stopped(ckpt, pid, fds_before)
 
 
 @pytest.mark.parametrize("point", ["Checkpointer._stop", "Inflight.close", "Staging.close"])
@@ -201,8 +201,8 @@ def test_close_completes_when_the_interrupt_lands_inside_its_end(
     pid = ckpt.writer_pid
     assert pid is not None
     out = _invoke_with_hook(intr, _interrupt_on_entry(intr, point), ckpt.close)
-    assert isinstance(out.error, RestartInterrupt)
     _assert_stopped(ckpt, pid, fds_before)
+    assert isinstance(out.error, RestartInterrupt)
 
 
 def _abort_under_fire(root: Path) -> tuple[Invocation, Checkpointer, int]:
@@ -256,8 +256,8 @@ def test_a_ledger_record_is_written_when_the_interrupt_lands_in_emit(
         out = _invoke_with_hook(
             intr, _interrupt_on_entry(intr, point), lambda: ledger.emit("fault_detected", n=1)
         )
+        assert ledger.flush(2.0), "a record counted but never queued"
         assert isinstance(out.error, RestartInterrupt)
-        assert ledger.flush(5.0), "a record counted but never queued"
     finally:
         ledger.close()
     assert [e.kind for e in read_events(tmp_path)] == ["fault_detected"]
