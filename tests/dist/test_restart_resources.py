@@ -9,6 +9,7 @@ the ``finally`` that aborts the Checkpointer.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import time
@@ -57,16 +58,12 @@ def resources() -> dict[str, int]:
     fds = os.listdir("/proc/self/fd")
     memfds = 0
     for fd in fds:
-        try:
+        with contextlib.suppress(OSError):
             memfds += os.readlink(f"/proc/self/fd/{fd}").startswith("/memfd:")
-        except OSError:
-            pass
     zombies = 0
     for child in Path(f"/proc/{os.getpid()}/task/{os.getpid()}/children").read_text().split():
-        try:
+        with contextlib.suppress(OSError):
             zombies += Path(f"/proc/{child}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
-        except OSError:
-            pass
     cgroup = _own_cgroup()
     return {
         "fds": len(fds),
