@@ -20,7 +20,7 @@ random: {count: $FAULTS, seed: $SEED, steps: [5, $((STEPS - 5))], kinds: [$KINDS
 YAML
 
 count_shm() { ls /dev/shm | wc -l; }
-count_cgroups() { find /sys/fs/cgroup -mindepth 1 -type d 2>/dev/null | wc -l; }
+count_cgroups() { find /sys/fs/cgroup -type d -name 'unbroken-oom-*' 2>/dev/null | wc -l; }
 count_procs() { pgrep -fc 'unbroken' || true; }
 SHM0=$(count_shm); CG0=$(count_cgroups); PROCS0=$(count_procs)
 
@@ -31,17 +31,16 @@ job() {  # job NAME [extra train flags...]
       -m unbroken.workload.train --steps "$STEPS" --run-dir "$OUT/$name" --ckpt-every 4 \
       --soft-timeout-s 2 --hard-timeout-s 6 --max-rank-faults 1000 --log-every 1000 "$@" \
       > "$OUT/$name.log" 2>&1 &
-  local agent=$!
-  local fds_first="" fds_max=0
-  while kill -0 "$agent" 2>/dev/null; do
-    local n; n=$(ls "/proc/$agent/fd" 2>/dev/null | wc -l) || n=0
-    [ -z "$fds_first" ] && [ "$n" -gt 0 ] && fds_first=$n
-    [ "$n" -gt "$fds_max" ] && fds_max=$n
-    echo "$n" > "$OUT/$name.fds-last.tmp" && [ "$n" -gt 0 ] && mv "$OUT/$name.fds-last.tmp" "$OUT/$name.fds-last"
-    sleep 1
+  local agent=$! t=0
+  : > "$OUT/$name.fds-series"
+  while kill -0 "$agent" 2>/dev/null; do  # the agent's descriptors, once a second
+    echo "$t $(ls "/proc/$agent/fd" 2>/dev/null | wc -l)" >> "$OUT/$name.fds-series"
+    sleep 1; t=$((t + 1))
   done
   wait "$agent"
-  echo "agent_fds first=$fds_first max=$fds_max last=$(cat "$OUT/$name.fds-last" 2>/dev/null)" > "$OUT/$name.fds"
+  # After its start-up (the 20th second) and its last sample before exit.
+  awk 'NR == 21 {a = $2} $2 > 0 {z = $2; m = ($2 > m ? $2 : m)}
+       END {printf "at_20s=%s last=%s max=%s\n", a, z, m}' "$OUT/$name.fds-series" > "$OUT/$name.fds"
 }
 
 T0=$(date +%s)
