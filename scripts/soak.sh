@@ -21,7 +21,7 @@ YAML
 
 count_shm() { ls /dev/shm | wc -l; }
 count_cgroups() { find /sys/fs/cgroup -type d -name 'unbroken-oom-*' 2>/dev/null | wc -l; }
-count_procs() { pgrep -fc 'unbroken' || true; }
+count_procs() { pgrep -fc -- "$OUT/" || true; }  # every process of ours names $OUT in argv
 SHM0=$(count_shm); CG0=$(count_cgroups); PROCS0=$(count_procs)
 
 job() {  # job NAME [extra train flags...]
@@ -48,7 +48,7 @@ job faulty --faults "$OUT/plan.yaml"
 T1=$(date +%s)
 job clean
 T2=$(date +%s)
-sleep 2
+sleep 5  # the last workers' exit
 FAULTY=$(grep -o 'final_state_sha256=[0-9a-f]*' "$OUT/faulty.log" | tail -1 | cut -d= -f2)
 CLEAN=$(grep -o 'final_state_sha256=[0-9a-f]*' "$OUT/clean.log" | tail -1 | cut -d= -f2)
 "$PY/unbroken" report "$OUT/faulty" --json "$OUT/report.json" > "$OUT/report.txt"
