@@ -11,7 +11,7 @@ and tests hand that process (``hooks``), the on-disk layout, commit protocol and
 Imports torch. Names are loaded lazily so that the writer process (``python -m
 unbroken.checkpoint.writer``) arms its parent-death signal before it imports torch; ``layout``
 and ``hooks`` never import torch (fault injection uses them). Imports of ours:
-``unbroken.errors``, ``unbroken.log``, ``unbroken.ledger``.
+``unbroken.errors``, ``unbroken.log``, ``unbroken.ledger``, ``unbroken.mask``.
 """
 
 from __future__ import annotations

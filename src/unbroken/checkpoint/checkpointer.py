@@ -16,20 +16,14 @@ persisting is skipped or waits for it (``on_busy``; default "skip", see Checkpoi
 Across ranks nothing is collective: a rank that skips leaves a marker and the coordinator
 abandons that step rather than waiting for it. A checkpoint directory must be on storage every
 rank sees (one machine, or a shared filesystem across nodes).
-
 Ownership (``unbroken.ledger.owner``): the Checkpointer claims its directory for its run;
 another run's Checkpointer is refused while it runs, and its checkpoints unless ``allow_foreign``.
-
-Failures: the writer's death is noticed at once (end of its socket) and raised as
-``CheckpointError`` by the next call; a save not durable within ``persist_timeout_s`` is
-reported (``ckpt_fail``), its writer killed, and the error raised by the next call; a save the
-writer reports failed is raised once by the next call, and later saves go on. No failure
-touches an older committed checkpoint.
-
-Snapshot often, persist rarely: ``snapshot_every`` makes ``maybe_save`` also stage a snapshot
-that stays in memory only (``snapshot``), between the durable saves of ``every_steps``; a
-durable save skipped because the previous one still persists is still snapshotted. With
-``memory_keeper`` (``unbroken-run`` sets it for its workers) the arena outlives the process.
+Failures (none touches an older committed checkpoint): the writer's death (end of its
+socket), a save not durable within ``persist_timeout_s`` (its writer killed) or one the writer
+reports failed is recorded (``ckpt_fail``) and raised once, as ``CheckpointError``, by the
+next call. ``snapshot_every`` stages memory-only snapshots (``snapshot``) between the durable
+saves of ``every_steps``; with ``memory_keeper`` (set by ``unbroken-run``) they outlive the
+process.
 
 The parts: ``staging`` (the arena and the copy into it), ``inflight`` (the save in flight,
 its writer process, its outcome), ``restore`` and ``memory`` (disk and memory tiers),
@@ -63,6 +57,7 @@ from unbroken.checkpoint.staging import Pairs, Staging, process_memory
 from unbroken.ledger import NULL, Recorder, owner
 from unbroken.ledger import events as ev
 from unbroken.ledger.active import current as active_ledger
+from unbroken.mask import masked
 
 __all__ = ["CheckpointStats", "Checkpointer"]
 
@@ -327,15 +322,20 @@ class Checkpointer:
         self._check()
 
     def close(self) -> None:
-        """Wait for the in-flight save to be committed, then stop the writer. Idempotent."""
+        """Wait for the in-flight save to be committed, then stop the writer. Idempotent.
+        Interrupted while waiting (a restart interrupt, Ctrl-C): ``abort`` instead."""
         if self._closed:
             return
         try:
             if not self._inflight.fatal:
                 self.wait()
-        finally:
-            self._closed = True
-            self._shutdown()
+        except Exception:
+            self._stop()
+            raise
+        except BaseException:
+            self.abort()
+            raise
+        self._stop()
         fatal = self._inflight.fatal
         if fatal and not self._inflight.fatal_raised:
             self._inflight.fatal_raised = True
@@ -462,9 +462,11 @@ class Checkpointer:
         else:
             self.abort()
 
+    @masked
     def abort(self) -> None:
         """Stop the writer now, without waiting for the in-flight save (it is lost, never
-        half-visible). For error paths; idempotent, and a no-op after ``close``."""
+        half-visible). For error paths; idempotent, and a no-op after ``close``. Masked
+        (``unbroken.mask``): a restart interrupt waits for it to complete."""
         if self._closed:
             return
         self._closed = True
@@ -479,6 +481,12 @@ class Checkpointer:
         if self._closed:
             raise CheckpointError("this Checkpointer is closed")
         self._inflight.check()
+
+    @masked
+    def _stop(self) -> None:
+        """``close``'s end, after the wait: closed, the writer stopped, the arena freed."""
+        self._closed = True
+        self._shutdown()
 
     def _shutdown(self, *, keep_snapshot: bool = False) -> None:
         """Stop staging and the writer and free the arena; with ``keep_snapshot`` (an abort)

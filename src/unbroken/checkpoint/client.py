@@ -15,8 +15,14 @@ Two ways to start the writer (``start``):
   close a descriptor the writer opened later), freezes every inherited object out of the
   garbage collector (no destructor of the trainer's runs in it), resets signal handlers, runs the writer and
   leaves with ``os._exit`` (no atexit handler of the trainer runs twice). Only the forking
-  thread exists in the child; the writer uses no lock another thread could have held (I/O,
-  pickle, ``torch.save`` of CPU tensors; never CUDA) — the same contract as DataLoader workers.
+  thread exists in the child, so a lock another thread held as it forked stays held there:
+  the trainer imports everything the writer needs before forking (``writer.preload``), so the
+  child imports nothing (a module being imported by another thread keeps its import lock
+  held); Python re-creates the global import lock, logging's locks and the buffered stdio
+  locks in the child itself; the writer uses no other lock another thread could hold (I/O,
+  pickle, ``torch.save`` of CPU tensors; never CUDA) — the same contract as DataLoader
+  workers. ``tests/unit/test_checkpoint_fork.py`` forks while other threads hold each of
+  these.
 * ``"spawn"``: a fresh interpreter (``python -m unbroken.checkpoint.writer``).
 """
 
@@ -32,6 +38,7 @@ import subprocess
 import sys
 import threading
 import time
+import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal
@@ -68,8 +75,20 @@ def _replace_inherited_fds(keep: set[int]) -> None:
         os.close(null)
 
 
+def _reset_signal_handlers() -> None:
+    """In a forked child: every signal the trainer handles in Python back to its default
+    (the writer installs its own), so none of the trainer's handlers runs in the writer."""
+    for sig in signal.valid_signals() - {signal.SIGINT}:  # the writer ignores SIGINT itself
+        with contextlib.suppress(OSError, ValueError):
+            if callable(signal.getsignal(sig)):
+                signal.signal(sig, signal.SIG_DFL)
+
+
 def _fork_writer(argv: list[str], sock_fd: int) -> int:
     """Fork a writer serving ``sock_fd``; returns its pid (see the module docstring)."""
+    from unbroken.checkpoint import writer
+
+    writer.preload()
     pid = os.fork()
     if pid:
         return pid
@@ -82,15 +101,10 @@ def _fork_writer(argv: list[str], sock_fd: int) -> int:
         _replace_inherited_fds({0, 1, 2, sock_fd})
         with contextlib.suppress(ValueError):
             signal.set_wakeup_fd(-1)
-        for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2):
-            signal.signal(sig, signal.SIG_DFL)
-        from unbroken.checkpoint import writer
-
+        _reset_signal_handlers()
         code = writer.main(argv)
     except BaseException:  # noqa: BLE001 - report anything, then leave without cleanup
         with contextlib.suppress(Exception):
-            import traceback
-
             traceback.print_exc()
     finally:
         os._exit(code)

@@ -24,6 +24,7 @@ from unbroken.checkpoint.config import CheckpointConfig, CheckpointError
 from unbroken.checkpoint.hooks import WriterHooks
 from unbroken.ledger import Recorder
 from unbroken.ledger import events as ev
+from unbroken.mask import masked
 
 logger = logging.getLogger(__name__)
 
@@ -102,6 +103,7 @@ class Inflight:
         self._errors: list[str] = []
 
     # --- the writer --------------------------------------------------------------------------
+    @masked  # a writer started is a writer held: no interrupt between the fork and here
     def start_writer(self, hooks: WriterHooks | None) -> WriterClient:
         """The writer process, started (with ``hooks`` sent to it) on the first call."""
         if self.writer is None:

@@ -64,6 +64,21 @@ def _die_with_parent(parent_pid: int, *, pdeathsig: bool) -> None:
     threading.Thread(target=watchdog, name="writer-watchdog", daemon=True).start()
 
 
+def preload() -> None:
+    """Import everything a save needs (torch and DCP included). A forked writer must import
+    nothing: another thread of its trainer may have been inside an import as it forked, and
+    that module's lock stays held in the child (whose only thread is the forking one), so the
+    child would wait for it forever. The forking trainer calls this first; a spawned writer
+    calls it before it says "ready"."""
+    import torch
+    from torch.distributed.checkpoint import filesystem, storage  # noqa: F401
+
+    import unbroken.checkpoint.arena
+    import unbroken.checkpoint.commit  # noqa: F401  (imports DCP's planner and metadata)
+
+    torch.save(torch.empty(0), io.BytesIO())  # torch.save imports more on its first use
+
+
 class _Abort(Exception):
     """Another rank skipped or failed this step: stop writing it."""
 
@@ -120,10 +135,7 @@ class Writer:
     def __init__(self, args: argparse.Namespace, sock: socket.socket) -> None:
         import torch
 
-        # Everything a save needs, imported before "ready": the persist timeout starts then.
-        import unbroken.checkpoint.arena
-        import unbroken.checkpoint.commit  # noqa: F401  (imports DCP's planner and metadata)
-
+        preload()  # before "ready": the persist timeout starts then
         torch.serialization.set_crc32_options(False)  # we checksum whole files ourselves
         self.torch = torch
         self.args = args

@@ -4,7 +4,8 @@ Owns the event schema, the one ``Recorder`` protocol every recording component t
 its null ``NULL``), and every figure derived from the records. Also the two file disciplines
 every package shares, here because every package may import the ledger: atomic durable writes
 (``durable``) and one owner per run or checkpoint directory (``owner``). Never imports torch,
-so any process (a launcher, the dashboard) can use it cheaply. Imports of ours: none.
+so any process (a launcher, the dashboard) can use it cheaply. Imports of ours:
+``unbroken.mask``.
 """
 
 from unbroken.ledger import events, goodput, report

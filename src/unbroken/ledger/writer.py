@@ -33,6 +33,7 @@ from types import FrameType
 from typing import Any
 
 from unbroken.ledger import events as ev
+from unbroken.mask import masked
 
 logger = logging.getLogger(__name__)
 
@@ -123,8 +124,10 @@ class Ledger:
             self.iteration = iteration
 
     # --- emitting ----------------------------------------------------------------------------
+    @masked
     def emit(self, kind: str, *, ts: float | None = None, **data: Any) -> ev.Event:
-        """Queue one record; never blocks on I/O."""
+        """Queue one record; never blocks on I/O. Masked (``unbroken.mask``): a restart
+        interrupt never leaves a record half-queued."""
         event = ev.Event(
             kind=kind,
             ts=time.time() if ts is None else ts,
@@ -184,13 +187,17 @@ class Ledger:
     def close(self, timeout_s: float = 5.0) -> None:
         """Write everything queued, fsync, and stop the writer thread. Idempotent; every caller
         (a signal handler racing a normal exit, say) returns only once the writing is done."""
+        self._stop()
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout_s)
+
+    @masked
+    def _stop(self) -> None:
         if not self._closed:
             self._closed = True
             self._queue.put(_STOP)
             with contextlib.suppress(Exception):  # interpreter shutdown
                 atexit.unregister(self.close)
-        if threading.current_thread() is not self._thread:
-            self._thread.join(timeout_s)
 
     # --- the writer thread -------------------------------------------------------------------
     def _run(self) -> None:

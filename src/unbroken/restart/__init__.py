@@ -9,7 +9,7 @@ abort, tear down), ``monitor`` + ``interrupt`` (the threads that watch and stop 
 ``context`` (what ``fn`` gets), ``config`` (configuration, errors, exit codes).
 
 Imports torch; never the workload, the checkpoint module or the launcher. Imports of ours:
-``unbroken.errors``, ``unbroken.env``, ``unbroken.ledger``.
+``unbroken.errors``, ``unbroken.env``, ``unbroken.ledger``, ``unbroken.mask``.
 """
 
 from unbroken.restart.config import (

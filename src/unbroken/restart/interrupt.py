@@ -1,17 +1,30 @@
 """Stopping the main thread from another thread, and telling whether it executes Python at all.
 
-Interrupts are asynchronous exceptions (``PyThreadState_SetAsyncExc``): the main thread raises
-``RestartInterrupt`` at its next bytecode boundary check. A main thread blocked in native code
-(a collective, a lock) raises it only when that call returns; ``pg.close_transport`` is what
-makes a blocked collective return.
+An interrupt is a simulated signal: ``interrupt`` (from any thread) trips a real-time signal
+number with ``_thread.interrupt_main``. The kernel sends nothing, so no system call of the
+main thread is disturbed; the main thread runs the handler at its next bytecode boundary
+check, like any Python signal handler. A main thread blocked in native code (a collective, a
+lock) runs it only when that call returns; ``pg.close_transport`` is what makes a blocked
+collective return.
 
-Delivery is confined to ``fn``: the main thread calls ``fn`` through ``_call_fn``, and an
-interrupt is only delivered while that frame is on the main thread's stack below the innermost
-frame (checked under a lock that ``invoke`` takes on its way out). So at most one interrupt
-can still be pending when ``fn`` returns; ``invoke`` catches or clears it, and nothing of
-``run``'s own code is ever interrupted. An interrupt that user code swallows (``except
-BaseException``, a ``finally`` that raises another error, an ``__del__``) is simply delivered
-again at the next monitor tick, until ``fn`` has returned.
+The handler decides in the main thread, with the interrupted frame in hand:
+
+- outside ``fn`` (no ``_call_fn`` frame on the stack below the innermost one: fn has not
+  started, or has returned): nothing happens, so nothing of ``run``'s own code is interrupted;
+- inside a function decorated ``unbroken.mask.masked`` (cleanup that must complete: aborting
+  a Checkpointer, a ledger record, the monitor's lock): deferred, and raised as that function
+  returns; inside a lock method of ``threading.Condition`` (a few bytecodes): dropped, and the
+  monitor's next interrupt lands after it, so that no ``with`` statement is left holding a
+  lock whose ``__exit__`` will never run;
+- else: ``RestartInterrupt`` is raised there.
+
+Deciding there, and not in the thread that asked, is what makes masking exact: an
+asynchronous exception (``PyThreadState_SetAsyncExc``) is raised at the next check whatever
+the main thread entered in between, e.g. the first bytecode of a cleanup function.
+
+An interrupt that user code swallows (``except BaseException``, a ``finally`` that raises
+another error, an ``__del__``) is simply delivered again at the next monitor tick, until
+``fn`` has returned.
 
 The probe: ``Py_AddPendingCall`` schedules a C function (``sem_post``) that only the main
 thread runs, at its next bytecode boundary check. No Python runs for it, so it cannot disturb
@@ -21,24 +34,34 @@ executed no Python in between (it is in native code: a collective, a sleep, a de
 
 from __future__ import annotations
 
+import _thread
 import ctypes
 import logging
+import signal
 import sys
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from types import CodeType, FrameType
 from typing import Any, TypeVar
 
+from unbroken.mask import MASKED_CODE, deferral
 from unbroken.restart.config import RestartInterrupt
 
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-_set_async_exc = ctypes.pythonapi.PyThreadState_SetAsyncExc
-_set_async_exc.argtypes = [ctypes.c_ulong, ctypes.c_void_p]
-_set_async_exc.restype = ctypes.c_int
+SIGNAL = signal.SIGRTMAX - 3
+"""The signal number the interrupt trips (never sent by the kernel; see the module docstring)."""
+
+_RETRY_CODES: frozenset[CodeType] = frozenset(
+    f.__code__ for f in (threading.Condition.__enter__, threading.Condition.__exit__)
+)
+"""Lock methods an interrupt must not split (acquired but ``__enter__`` not returned)."""
+
+_OUTSIDE, _INSIDE, _MASKED, _RETRY = range(4)
 
 
 def _call_fn(fn: Callable[[Any], T], ctx: Any) -> T:
@@ -49,22 +72,22 @@ def _call_fn(fn: Callable[[Any], T], ctx: Any) -> T:
 _TRAMPOLINE = _call_fn.__code__
 
 
-def _in_fn(thread_ident: int) -> bool:
-    """True when ``_call_fn`` is on the thread's stack and is not its innermost frame."""
-    frame = sys._current_frames().get(thread_ident)
+def _where(frame: FrameType | None) -> int:
+    """Where ``frame`` (the main thread's innermost) is: outside fn, inside it, masked, or in
+    a lock method to retry after."""
     if frame is None or frame.f_code is _TRAMPOLINE:
-        return False
-    frame = frame.f_back
+        return _OUTSIDE
+    where = _INSIDE
     while frame is not None:
-        if frame.f_code is _TRAMPOLINE:
-            return True
+        code = frame.f_code
+        if code is _TRAMPOLINE:
+            return where
+        if code is MASKED_CODE:
+            where = _MASKED
+        elif code in _RETRY_CODES and where == _INSIDE:
+            where = _RETRY
         frame = frame.f_back
-    return False
-
-
-def _raise_in(thread_ident: int, exc_type: type[BaseException] | None) -> None:
-    """Set (or, with None, clear) the thread's pending asynchronous exception."""
-    _set_async_exc(thread_ident, None if exc_type is None else id(exc_type))
+    return _OUTSIDE
 
 
 @dataclass(frozen=True)
@@ -77,6 +100,38 @@ class Invocation:
     """What fn raised, or None when it returned."""
 
 
+_active: Interrupter | None = None
+"""The Interrupter whose ``fn`` runs now (the handler's target)."""
+
+
+def _handler(signum: int, frame: FrameType | None) -> None:
+    intr = _active
+    if intr is None or not intr.requested:
+        return
+    where = _where(frame)
+    if where == _MASKED:
+        deferral.pending = True
+    elif where == _INSIDE:  # _RETRY: the monitor's next interrupt lands after the method
+        intr.delivered += 1
+        raise RestartInterrupt
+
+
+def _on_masked_return() -> None:
+    """A masked function returns with an interrupt pending: raise it now, unless an outer
+    masked function is still running (it raises it when it returns)."""
+    intr = _active
+    if intr is None or threading.get_ident() != intr.main_ident:
+        return
+    caller = sys._getframe(2)  # this <- masked_call <- its caller
+    where = _where(caller)
+    if where == _MASKED:
+        return
+    deferral.pending = False
+    if where != _OUTSIDE and intr.requested:
+        intr.delivered += 1
+        raise RestartInterrupt
+
+
 class Interrupter:
     """Calls ``fn`` in the main thread; other threads interrupt it while it runs."""
 
@@ -84,41 +139,43 @@ class Interrupter:
         self.main_ident = threading.main_thread().ident or 0
         self._lock = threading.Lock()
         self._in_fn = False
+        self.requested = False
+        """An interrupt was asked for in this call of fn (it is delivered until fn returns)."""
         self.delivered = 0
-        """Interrupts delivered so far (for the ledger and tests)."""
+        """Interrupts raised in fn so far (for the ledger and tests)."""
 
     def invoke(self, fn: Callable[[Any], Any], ctx: Any) -> Invocation:
         """Call ``fn(ctx)`` in the main thread and return how it ended; never raises."""
+        global _active
         if threading.get_ident() != self.main_ident:
             raise RuntimeError("unbroken.restart.run must be called from the main thread")
-        outcome: Invocation | None = None
-        with self._lock:
-            self._in_fn = True
+        if signal.getsignal(SIGNAL) is not _handler:
+            signal.signal(SIGNAL, _handler)
+        deferral.on_return = _on_masked_return
+        _active = self
+        self._enter(True)
         try:
-            try:
-                outcome = Invocation(value=_call_fn(fn, ctx))
-            except BaseException as e:  # noqa: BLE001 - every way fn ends is an outcome
-                outcome = Invocation(error=e)
-            self._leave()
-        except RestartInterrupt as e:  # the one interrupt still pending as fn returned
-            if outcome is None:
-                outcome = Invocation(error=e)
-            self._leave()
+            outcome = Invocation(value=_call_fn(fn, ctx))
+        except BaseException as e:  # noqa: BLE001 - every way fn ends is an outcome
+            outcome = Invocation(error=e)
+        self._enter(False)
         return outcome
 
-    def _leave(self) -> None:
+    def _enter(self, in_fn: bool) -> None:
         with self._lock:
-            self._in_fn = False
-        _raise_in(self.main_ident, None)
+            self._in_fn = in_fn
+            self.requested = False
+        deferral.pending = False
 
     def interrupt(self) -> bool:
-        """From another thread: raise RestartInterrupt in fn if it is running; True if sent."""
+        """From another thread: interrupt fn if it is running (see the module docstring);
+        True if asked. It lands when the main thread next checks, or is deferred."""
         with self._lock:
-            if not self._in_fn or not _in_fn(self.main_ident):
+            if not self._in_fn:
                 return False
-            _raise_in(self.main_ident, RestartInterrupt)
-            self.delivered += 1
-            return True
+            self.requested = True
+        _thread.interrupt_main(SIGNAL)  # type: ignore[arg-type]  # any signal number goes
+        return True
 
 
 class PythonProbe:

@@ -31,6 +31,7 @@ from typing import Any
 
 from unbroken.ledger import Recorder
 from unbroken.ledger import events as ev
+from unbroken.mask import masked
 from unbroken.restart import assign
 from unbroken.restart.calibrate import Calibrator
 from unbroken.restart.config import RestartConfig
@@ -138,6 +139,7 @@ class Monitor:
         """A heartbeat from the main thread (lock-free: two attribute writes)."""
         self.watchdog.progress(time.monotonic(), step=step)
 
+    @masked  # called from fn: an interrupt must not leave the monitor's lock held
     def protect(self, *, enter: bool) -> None:
         with self._lock:
             self.watchdog.protect(time.monotonic(), enter=enter)
