@@ -79,4 +79,4 @@ def test_under_plain_torchrun_without_a_run_dir_a_restart_resumes_its_run(tmp_pa
     (run_dir,) = (tmp_path / "runs").iterdir()
     assert len(list((run_dir / "faults" / "fired").iterdir())) == 1  # fired once
     loads = [e.get("step") for e in read_events(run_dir) if e.kind == ev.CKPT_LOAD]
-    assert loads == [None, 1]  # the restart restored the checkpoint of step 1
+    assert loads == [None, 3]  # restored step 3: its save comes before its fault hook
