@@ -12,6 +12,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from unbroken.env import WorkerEnv
+
 SRC = Path(__file__).resolve().parents[1] / "src"
 VENV_BIN = Path(sys.executable).parent
 
@@ -23,6 +25,23 @@ class Result:
 
     def hashes(self) -> list[str]:
         return re.findall(r"final_state_sha256=([0-9a-f]{64})", self.output)
+
+
+def one_rank(run_id: str) -> WorkerEnv:
+    """A world of one rank, no launcher, no agent store; ``run_id`` names its run."""
+    return WorkerEnv(
+        rank=0,
+        local_rank=0,
+        world_size=1,
+        local_world_size=1,
+        group_rank=0,
+        master_addr=None,
+        master_port=None,
+        restart_count=0,
+        run_id=run_id,
+        use_agent_store=False,
+        run_dir=None,
+    )
 
 
 def worker_env(**extra: str) -> dict[str, str]:

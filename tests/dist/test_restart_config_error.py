@@ -8,35 +8,14 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
-from unbroken.env import WorkerEnv
+from procs import one_rank
 from unbroken.errors import ConfigError
 from unbroken.restart import RestartConfig, RestartContext
 from unbroken.restart import run as restart_run
 
 pytestmark = pytest.mark.dist
 
-ENV = WorkerEnv(
-    rank=0,
-    local_rank=0,
-    world_size=1,
-    local_world_size=1,
-    group_rank=0,
-    master_addr=None,
-    master_port=None,
-    restart_count=0,
-    run_id="cfg",
-    use_agent_store=False,
-    run_dir=None,
-)
-
-
-@pytest.fixture
-def store_addr():
-    server = dist.TCPStore(
-        "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30)
-    )
-    yield f"127.0.0.1:{server.port}"
-    del server
+ENV = one_rank("cfg")
 
 
 def _config(store_addr: str) -> RestartConfig:

@@ -21,27 +21,15 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from procs import one_rank
 from unbroken.checkpoint import Checkpointer
-from unbroken.env import WorkerEnv
 from unbroken.restart import RestartConfig, RestartContext, run
 
 pytestmark = pytest.mark.dist
 
 RESTARTS = 100
 
-ENV = WorkerEnv(
-    rank=0,
-    local_rank=0,
-    world_size=1,
-    local_world_size=1,
-    group_rank=0,
-    master_addr=None,
-    master_port=None,
-    restart_count=0,
-    run_id="resources",
-    use_agent_store=False,
-    run_dir=None,
-)
+ENV = one_rank("resources")
 
 
 def _own_cgroup() -> Path | None:
@@ -76,15 +64,6 @@ def resources() -> dict[str, int]:
         "shm": len(os.listdir("/dev/shm")),
         "cgroups": sum(1 for p in cgroup.iterdir() if p.is_dir()) if cgroup else 0,
     }
-
-
-@pytest.fixture
-def store_addr() -> Iterator[str]:
-    server = dist.TCPStore(
-        "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30)
-    )
-    yield f"127.0.0.1:{server.port}"
-    del server
 
 
 def _spin() -> None:

@@ -17,8 +17,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from procs import worker_env
-from unbroken.env import WorkerEnv
+from procs import one_rank, worker_env
 from unbroken.ledger import Ledger, read_events
 from unbroken.restart import (
     Escalated,
@@ -34,29 +33,7 @@ from unbroken.workload.parallel import wrap_model
 
 pytestmark = pytest.mark.dist
 
-ENV = WorkerEnv(
-    rank=0,
-    local_rank=0,
-    world_size=1,
-    local_world_size=1,
-    group_rank=0,
-    master_addr=None,
-    master_port=None,
-    restart_count=0,
-    run_id="inproc",
-    use_agent_store=False,
-    run_dir=None,
-)
-
-
-@pytest.fixture
-def store_addr() -> Iterator[str]:
-    """A store hosted by the test, as a launcher agent would."""
-    server = dist.TCPStore(
-        "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30)
-    )
-    yield f"127.0.0.1:{server.port}"
-    del server
+ENV = one_rank("inproc")
 
 
 def config(store_addr: str, **fields) -> RestartConfig:

@@ -10,26 +10,14 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
-from unbroken.env import WorkerEnv
+from procs import one_rank
 from unbroken.restart import RestartConfig, RestartContext
 from unbroken.restart import run as restart_run
 from unbroken.restart.store import Keys
 
 pytestmark = pytest.mark.dist
 
-ENV = WorkerEnv(
-    rank=0,
-    local_rank=0,
-    world_size=1,
-    local_world_size=1,
-    group_rank=0,
-    master_addr=None,
-    master_port=None,
-    restart_count=0,
-    run_id="values",
-    use_agent_store=False,
-    run_dir=None,
-)
+ENV = one_rank("values")
 
 
 def test_a_malformed_wake_up_is_ignored(monkeypatch: pytest.MonkeyPatch) -> None:

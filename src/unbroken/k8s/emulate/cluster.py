@@ -36,6 +36,9 @@ logger = logging.getLogger(__name__)
 MODES = ("auto", "netns", "loopback")
 
 
+_NOTABLE = frozenset({"pod_failed", "job_failed", "job_complete", "jobset_restart"})
+
+
 @dataclass(frozen=True, kw_only=True)
 class EmulationConfig:
     """How the emulated cluster behaves."""
@@ -107,7 +110,9 @@ class Cluster:
     # --- what the workloads call -----------------------------------------------------------
     def record(self, event: str, **data: Any) -> None:
         self.history.append({"ts": time.time(), "event": event, **data})
-        logger.info("emulated k8s: %s %s", event, data)
+        # What changes the job's course at INFO; every pod start and end at DEBUG.
+        level = logging.INFO if event in _NOTABLE else logging.DEBUG
+        logger.log(level, "emulated k8s: %s %s", event, data)
 
     def schedule(self, delay_s: float, fn: Callable[[], None]) -> None:
         heapq.heappush(self._timers, (time.monotonic() + delay_s, next(self._seq), fn))
