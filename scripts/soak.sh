@@ -4,7 +4,7 @@
 # mixed; node-loss needs the emulated cluster of `unbroken bench recovery` and is left out),
 # then the same job without faults: the final_state_sha256 must be equal, and nothing may
 # be left behind (processes, /dev/shm, cgroups; the agent's descriptors stay flat).
-# Usage: scripts/soak.sh [FAULTS] [SEED]   (make soak; 10-20 min on 2 CPUs)
+# Usage: scripts/soak.sh [FAULTS] [SEED]   (make soak; about 5 min on 2 idle CPUs)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 FAULTS=${FAULTS:-${1:-100}}
