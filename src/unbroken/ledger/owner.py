@@ -163,11 +163,12 @@ def _nobody_holds(live_fd: int, owner: OwnerRecord) -> bool:
     except OSError as e:
         if e.errno not in _NO_LOCKS:
             raise
-        return owner.host != socket.gethostname() or not _alive(owner.pid)
+        return owner.host != socket.gethostname() or not pid_alive(owner.pid)
     return True
 
 
-def _alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` exists on this host (a process of another user counts)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

@@ -23,19 +23,10 @@ import time
 from collections.abc import Sequence
 from datetime import timedelta
 
+from unbroken.ledger.owner import pid_alive
 from unbroken.restart.store import NPIDS_KEY, PID_KEY
 
 _POLL_S = 0.5
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _local_pids(store: object) -> list[int]:
@@ -103,7 +94,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         except RuntimeError as e:  # the store is ours: it answers unless it is shutting down
             print(f"store_server: cannot read registrations: {e}", file=sys.stderr)
             pids = [os.getpid()]
-        if not any(_alive(pid) for pid in pids):
+        if not any(pid_alive(pid) for pid in pids):
             break
     # Give clients that raced the stop a moment to read their last answers.
     time.sleep(0.05)
