@@ -77,9 +77,12 @@ class WorkerEnv:
     agent_pid: int | None = None
     """Pid of the ``unbroken-run`` agent that started this worker (None outside it)."""
     store_addr: str | None = None
+    """``host:port`` of the job-long coordination store ``unbroken-run`` hosts (None outside)."""
     memory_keeper: str | None = None
     """Address of the node agent's memory keeper (``UNBROKEN_MEMORY_KEEPER``; None outside)."""
-    """``host:port`` of the job-long coordination store ``unbroken-run`` hosts (None outside)."""
+    peers: tuple[str, ...] = ()
+    """Every node's peer memory service, in group-rank order (``UNBROKEN_PEERS``; () outside
+    a multi-node ``unbroken-run`` job)."""
     fault_plan: Path | None = None
     """The fault plan named by ``UNBROKEN_FAULTS``, if any."""
 
@@ -118,6 +121,7 @@ class WorkerEnv:
             agent_pid=_int(e, UNBROKEN_AGENT_PID, 0) or None,
             store_addr=e.get(UNBROKEN_STORE_ADDR) or None,
             memory_keeper=e.get(UNBROKEN_MEMORY_KEEPER) or None,
+            peers=tuple(p for p in (e.get(UNBROKEN_PEERS) or "").split(",") if p),
             fault_plan=Path(e[UNBROKEN_FAULTS]) if e.get(UNBROKEN_FAULTS) else None,
         )
 
@@ -142,10 +146,14 @@ UNBROKEN_STORE_ADDR = "UNBROKEN_STORE_ADDR"
 UNBROKEN_KB = "UNBROKEN_KB"
 """Path of the knowledge base (SQLite) that ``unbroken kb`` and the dashboard use."""
 UNBROKEN_AGENT_PID = "UNBROKEN_AGENT_PID"
+"""Pid of the node's agent: what a ``node-loss`` fault kills with every process below it."""
 UNBROKEN_MEMORY_KEEPER = "UNBROKEN_MEMORY_KEEPER"
 """Unix socket ("@": abstract) of the node agent's memory keeper, which holds every worker's
 staging arena so that its snapshots outlive the worker (``unbroken.launcher.keeper``)."""
-"""Pid of the node's agent: what a ``node-loss`` fault kills with every process below it."""
+UNBROKEN_PEERS = "UNBROKEN_PEERS"
+"""Comma-separated ``host:port#token`` of every node's peer memory service in the round, in
+group-rank order (``unbroken.checkpoint.peers``); a worker replicates its snapshots to the next
+node's and restores from any of them."""
 
 # read by the launcher for itself
 PET_PREFIX = "PET_"

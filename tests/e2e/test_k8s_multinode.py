@@ -114,7 +114,9 @@ def test_a_hot_spare_takes_the_lost_nodes_place_without_waiting_for_kubernetes(
     """4 pods for 3 nodes: the one that came last waits as a spare. Lose the node of group
     rank 0; training resumes with the spare while the replacement pod is still 20 s away; the
     replacement then finds the job done (or waits as the new spare) and exits 0."""
-    run_ = dataclasses.replace(JOB, spares=1, lose="group-rank:0", pod_restart_s=20.0)
+    run_ = dataclasses.replace(
+        JOB, spares=1, lose="group-rank:0", pod_restart_s=20.0, snapshot_every=1
+    )
     res = run_node_loss(run_, tmp_path)
     assert res.status == "Complete", res.history[-5:]
     assert res.final_state_sha256 == clean_hash
@@ -128,6 +130,10 @@ def test_a_hot_spare_takes_the_lost_nodes_place_without_waiting_for_kubernetes(
     assert res.recovery_s is not None and res.recovery_s < replacement["ts"] - res.lost_ts
     ends = [h for h in res.history if h["event"] == "pod_ended" and h["hostname"] == res.lost_host]
     assert [h["exit_code"] for h in ends] == [137, 0]  # lost; then the replacement, not needed
+    # Zero rollback through the peer tier: the lost node's ranks restore the replica they sent
+    # the next node, ranks that moved restore from the node that has them; none from disk.
+    assert set(res.tiers) <= {"memory", "peer"} and res.tiers.get("peer", 0) >= 2, res.tiers
+    assert res.steps_lost is not None and res.steps_lost <= 1
 
 
 def test_a_give_up_exit_code_fails_the_job_without_a_restart_loop(tmp_path: Path) -> None:

@@ -7,15 +7,22 @@ is waiting), one node is lost (its link goes down, then every
 process of it dies; the pod gets ``DisruptionTarget``). Configurations:
 
 - ``clean``: no loss (the reference ``final_state_sha256`` and step time);
-- ``spare``: one hot spare pod waits in the rendezvous and takes the lost node's place;
+- ``spare``: one hot spare pod waits in the rendezvous and takes the lost node's place; every
+  rank restores its newest snapshot from memory, its own node's or another's (the peer tier:
+  the lost node's ranks from the replicas they sent the next node, ranks that moved to another
+  node from the node that has them);
+- ``spare-disk``: the same without the peer tier (``--no-peer-replica``): the ranks whose
+  snapshots are not on their node restore from disk;
 - ``replace``: no spare; Kubernetes replaces the pod after ``--pod-restart-s``, and the
   survivors wait for it, warm;
 - ``baseline``: Kubernetes alone (a JobSet of torchrun pods, static rendezvous, no restarts
   inside the job): the lost pod fails the child Job, the JobSet recreates every pod after
   ``--pod-restart-s``.
 
-Figure: node loss -> training again (``recovery_s``: the loss to every rank having completed
-a step), from the run's ledger, with the goodput code every other figure uses.
+Figures: node loss -> training again (``recovery_s``: the loss to every rank having completed
+a step), the steps lost and where each rank restored from (``tiers``), from the run's ledger,
+with the goodput code every other figure uses. The unbroken configurations snapshot to memory
+every ``--snapshot-every`` steps; clean and baseline never do.
 """
 
 from __future__ import annotations
@@ -41,7 +48,7 @@ logger = logging.getLogger(__name__)
 
 CLAIM = "ckpt"
 MOUNT = "/checkpoints"
-CONFIGS = ("clean", "spare", "replace", "baseline")
+CONFIGS = ("clean", "spare", "spare-disk", "replace", "baseline")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -65,6 +72,10 @@ class NodeLoss:
     """Training steps."""
     ckpt_every: int = 5
     """Steps between checkpoints."""
+    snapshot_every: int = 0
+    """Steps between memory-only snapshots (0: none)."""
+    peer_replica: bool = True
+    """Use the peer memory tier (False: ``--no-peer-replica``)."""
     train_args: tuple[str, ...] = ("--seq-len", "32", "--batch-size", "4", "--no-inprocess")
     """More arguments of the reference training script."""
     keep_alive_s: float = 0.5
@@ -112,6 +123,8 @@ class NodeLoss:
             str(self.ckpt_every),
             "--log-every",
             "5",
+            *(["--snapshot-every", str(self.snapshot_every)] if self.snapshot_every else []),
+            *([] if self.peer_replica else ["--no-peer-replica"]),
             *self.train_args,
         ]
 
@@ -165,6 +178,10 @@ class NodeLossResult:
     lost_host: str | None = None
     recovery_s: float | None = None
     """Node loss -> every rank completed a step again."""
+    steps_lost: int | None = None
+    """Completed steps trained again after the loss."""
+    tiers: dict[str, int] = field(default_factory=dict)
+    """Where the ranks restored from after the loss: tier (disk, memory, peer) -> ranks."""
     final_state_sha256: str | None = None
     figures: dict[str, Any] = field(default_factory=dict)
 
@@ -313,6 +330,12 @@ def run_node_loss(run: NodeLoss, workdir: Path) -> NodeLossResult:
         res.figures = report.to_dict()
         if report.faults:
             res.recovery_s = report.faults[0].recovery_s
+            res.steps_lost = report.faults[0].steps_lost
+        if res.lost_ts is not None:
+            for e in read_events(run_dir):
+                if e.kind == "ckpt_load" and e.ts > res.lost_ts:
+                    tier = str(e.get("tier"))
+                    res.tiers[tier] = res.tiers.get(tier, 0) + 1
     except (FileNotFoundError, ValueError) as e:
         logger.error("no figures for %s: %s", run_dir, e)
     return res
@@ -358,6 +381,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default="auto",
         help="emulated pods: network namespaces (root) or process trees on loopback",
     )
+    p.add_argument(
+        "--snapshot-every",
+        type=int,
+        default=1,
+        help="memory-only snapshots every N steps in the unbroken configurations (0: none)",
+    )
     p.add_argument("--out", default="runs/bench-k8s", help="output directory")
     p.add_argument("--json", metavar="PATH", help="write the table as JSON")
 
@@ -373,7 +402,9 @@ def main(a: argparse.Namespace) -> int:
             nproc=a.nproc,
             steps=a.steps,
             at_step=a.at_step,
-            spares=1 if name == "spare" else 0,
+            spares=1 if name.startswith("spare") else 0,
+            snapshot_every=0 if name in ("clean", "baseline") else a.snapshot_every,
+            peer_replica=name != "spare-disk",
             lose=None if name == "clean" else a.lose,
             baseline=name == "baseline",
             pod_restart_s=a.pod_restart_s,
@@ -395,6 +426,8 @@ def main(a: argparse.Namespace) -> int:
             "pod_restart_s": a.pod_restart_s,
             "lost": res.lost_host,
             "recovery_s": res.recovery_s,
+            "steps_lost": res.steps_lost,
+            "tiers": res.tiers,
             "training_goodput": res.figures.get("training_goodput"),
             "wall_s": res.figures.get("wall_s"),
             "final_state_sha256": res.final_state_sha256,
@@ -418,13 +451,19 @@ def main(a: argparse.Namespace) -> int:
 
 
 def format_table(rows: list[dict[str, Any]]) -> str:
-    head = f"{'config':<9} {'emulation':>9} {'lost node':>10} {'node loss -> training s':>24} {'goodput':>8} {'wall s':>7} {'= clean':>8}"
+    head = (
+        f"{'config':<10} {'emulation':>9} {'lost node':>10} {'node loss -> training s':>24} "
+        f"{'lost':>4} {'restored from':<18} {'goodput':>8} {'wall s':>7} {'= clean':>8}"
+    )
     lines = [head, "-" * len(head)]
     for r in rows:
         rec = "–" if r["recovery_s"] is None else f"{r['recovery_s']:.2f}"
         gp = "–" if r["training_goodput"] is None else f"{100 * r['training_goodput']:.1f}%"
+        lost = "–" if r.get("steps_lost") is None else str(r["steps_lost"])
+        tiers = " ".join(f"{k}:{v}" for k, v in sorted((r.get("tiers") or {}).items())) or "–"
         lines.append(
-            f"{r['config']:<9} {r['emulation']:>9} {r['lost'] or '–':>10} {rec:>24} {gp:>8} "
+            f"{r['config']:<10} {r['emulation']:>9} {r['lost'] or '–':>10} {rec:>24} {lost:>4} "
+            f"{tiers:<18} {gp:>8} "
             f"{(r['wall_s'] or 0):>7.1f} {('yes' if r['matches_clean'] else 'NO'):>8}"
         )
     return "\n".join(lines)

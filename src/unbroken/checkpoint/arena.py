@@ -119,6 +119,12 @@ class Arena:
         assert self._mm is not None
         self._mm[offset : offset + len(data)] = data
 
+    def window(self, offset: int, nbytes: int) -> memoryview:
+        """The arena's bytes at ``offset``, writable, without a copy (for socket I/O); release
+        it before the arena is closed."""
+        assert self._mm is not None
+        return memoryview(self._mm)[offset : offset + nbytes]
+
     def digest(self, offset: int, nbytes: int) -> int:
         """xxh3-64 of ``nbytes`` at ``offset`` (the GIL is released while it hashes)."""
         assert self._mm is not None

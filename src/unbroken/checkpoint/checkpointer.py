@@ -53,7 +53,7 @@ from unbroken.checkpoint.inflight import CheckpointStats, Inflight
 from unbroken.checkpoint.resolve import ResolveCache, resolve_for_save
 from unbroken.checkpoint.restore import RestoreResult
 from unbroken.checkpoint.restore import restore as _restore
-from unbroken.checkpoint.staging import Pairs, Staging, process_memory
+from unbroken.checkpoint.staging import Pairs, process_memory
 from unbroken.ledger import NULL, Recorder, owner
 from unbroken.ledger import events as ev
 from unbroken.ledger.active import current as active_ledger
@@ -137,16 +137,10 @@ class Checkpointer:
         self._closed = False
         # Before the writer and the arena exist: nothing of another job's is touched.
         self._claim = owner.claim(self.root, job=job, takeover=True)
-        self._adopted, self._adopted_from = tiers.adopt(self.root, self.config, rank=self.rank)
-        keeper_addr = self.config.memory_keeper
-        self._staging = Staging(
-            rank=self.rank,
-            regions=self.config.regions,
-            arena=self._adopted,
-            on_arena=functools.partial(tiers.hand_over, keeper_addr, self.root, self.rank)
-            if keeper_addr
-            else None,
+        self._staging, self._adopted_from, self._replica = tiers.staging_for(
+            self.root, self.config, rank=self.rank
         )
+        self._adopted = self._staging.arena if self._adopted_from else None
         self._persisting_region: int | None = None
         if self.config.eager_writer:
             self._inflight.start_writer(self._hooks)
@@ -357,7 +351,7 @@ class Checkpointer:
                 ev.CKPT_LOAD,
                 begin=t0,
                 step=step,
-                tier="memory",
+                tier="peer" if source == "peer" else "memory",
                 path=None,
                 source=source,
                 memory=held,
@@ -492,6 +486,8 @@ class Checkpointer:
         """Stop staging and the writer and free the arena; with ``keep_snapshot`` (an abort)
         the arena and its fully staged step go to the memory tier instead."""
         try:
+            if self._replica is not None:
+                self._replica.close()
             self._staging.stop(keep_for=self.root if keep_snapshot else None)
             self._inflight.close()
             self._staging.close()

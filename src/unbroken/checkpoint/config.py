@@ -68,6 +68,13 @@ class CheckpointConfig:
     memory_keeper: str = ""
     """Address of the node agent's memory keeper (``unbroken-run`` hands workers one): the
     staging arena is given to it, so its snapshots survive this process; "": none."""
+    peers: tuple[str, ...] = ()
+    """Every node's peer memory service (``host:port#token``, in node order; ``unbroken-run``
+    hands multi-node workers them): each snapshot is replicated, in the background, to the
+    next node's, and a restore with nothing in local memory asks every one of them for this
+    rank's newest snapshot (``unbroken.checkpoint.peers``); (): no peer tier."""
+    peer_index: int = -1
+    """This node's position in ``peers`` (its group rank); snapshots go to the next one."""
     verify: bool = True
     """``restore`` checks every file's checksum before loading."""
     allow_foreign: bool = False
@@ -114,6 +121,16 @@ class CheckpointConfig:
                 f"memory_slots must be >= 2 with the memory tier (so every rank holds a step "
                 f"the others hold), got {self.memory_slots}"
             )
+        if self.peers and not 0 <= self.peer_index < len(self.peers):
+            raise ValueError(
+                f"peer_index must be this node's position in peers (0..{len(self.peers) - 1}), "
+                f"got {self.peer_index}"
+            )
+        for peer in self.peers:
+            host, _, rest = peer.rpartition(":")
+            port, _, token = rest.partition("#")
+            if not host or not port.isdigit() or not token:
+                raise ValueError(f"peers entries must be host:port#token, got {peer!r}")
         if self.throttle_mbps < 0:
             raise ValueError(f"throttle_mbps must be >= 0 (0: no cap), got {self.throttle_mbps}")
 

@@ -122,6 +122,12 @@ def clear(arena: Arena, ring: Ring, region: int) -> None:
     arena.write(ring.base(region), bytes(_HEAD.size))
 
 
+def sealed_as(arena: Arena, ring: Ring, region: int) -> tuple[int, int] | None:
+    """(step, sequence number) of the snapshot sealed in ``region``, or None (empty)."""
+    magic, step, _meta_len, _digest, seq = _HEAD.unpack(arena.read(ring.base(region), _HEAD.size))
+    return (step, seq) if magic == _HEAD_MAGIC else None
+
+
 @dataclass
 class Snapshot:
     """One fully staged step in a region of an arena."""

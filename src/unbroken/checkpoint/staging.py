@@ -77,6 +77,9 @@ class Staging:
         self._idle = threading.Event()
         self._idle.set()
         self._hooked: dict[int, Any] = {}
+        self.on_sealed: Callable[[Arena, memory.Ring, int, int], None] | None = None
+        """Called with (arena, ring, region, sequence number) as each snapshot is sealed (on
+        the sealing thread; it must not block): the peer replicator."""
 
     @property
     def size(self) -> int:
@@ -180,6 +183,8 @@ class Staging:
         self.seq += 1
         memory.seal(held, self.ring)
         self.sealed[held.region] = held.seq
+        if self.on_sealed is not None:
+            self.on_sealed(self.arena, self.ring, held.region, held.seq)
 
     def _loop(self) -> None:
         while True:

@@ -2,12 +2,15 @@
 
 ``adopt`` finds the arena a new Checkpointer starts with: the failed iteration's of this
 process (an in-process restart), else the one the node agent's keeper held for this rank (a
-launcher restart: the process that wrote it is dead), else none. ``from_memory`` restores the
+launcher restart: the process that wrote it is dead), else, in a multi-node job, the newest
+one any node's peer service holds for this rank (its keeper's, or the replica it was sent:
+a lost node, ranks moved to other nodes), else none. ``from_memory`` restores the
 newest step every rank holds in memory, checked, or says why not (then: disk); see ``memory``.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Mapping
@@ -16,7 +19,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from unbroken.checkpoint import keeper, layout, memory
+from unbroken.checkpoint import keeper, layout, memory, peers
 from unbroken.checkpoint.arena import Arena
 from unbroken.checkpoint.config import CheckpointConfig
 from unbroken.checkpoint.staging import Staging
@@ -29,22 +32,50 @@ def _key(root: Path, rank: int) -> str:
 
 
 def adopt(root: Path, config: CheckpointConfig, *, rank: int) -> tuple[Arena | None, str | None]:
-    """The arena to start with and where it came from: "process", "keeper", or None."""
+    """The arena to start with and where it came from: "process", "keeper", "peer" (fetched
+    from another node's service: see ``peers``), or None."""
     if not config.memory_tier:
         return None, None
     arena = memory.take(root)
     if arena is not None:
         return arena, "process"
-    if not config.memory_keeper:
+    fd = keeper.get(config.memory_keeper, _key(root, rank)) if config.memory_keeper else None
+    if fd is not None:
+        try:
+            return Arena.adopt(fd), "keeper"
+        except (OSError, ValueError) as e:
+            logger.warning("the arena the memory keeper held is unusable: %s", e)
+    if len(config.peers) < 2:
         return None, None
-    fd = keeper.get(config.memory_keeper, _key(root, rank))
-    if fd is None:
+    arena, where = peers.fetch([peers.Peer.parse(p) for p in config.peers], _key(root, rank))
+    if arena is None:
         return None, None
-    try:
-        return Arena.adopt(fd), "keeper"
-    except (OSError, ValueError) as e:
-        logger.warning("the arena the memory keeper held is unusable: %s", e)
-        return None, None
+    logger.info("rank %d: snapshots fetched from the %s", rank, where)
+    if config.memory_keeper:  # from now on this node keeps it
+        hand_over(config.memory_keeper, root, rank, arena.fd)
+    return arena, "peer"
+
+
+def staging_for(
+    root: Path, config: CheckpointConfig, *, rank: int
+) -> tuple[Staging, str | None, peers.Replicator | None]:
+    """A Checkpointer's staging (on the adopted arena, if any), where that arena came from,
+    and, in a multi-node job, the replicator that sends each sealed snapshot to the next
+    node's service."""
+    arena, origin = adopt(root, config, rank=rank)
+    addr = config.memory_keeper
+    staging = Staging(
+        rank=rank,
+        regions=config.regions,
+        arena=arena,
+        on_arena=functools.partial(hand_over, addr, root, rank) if addr else None,
+    )
+    replicator = None
+    if config.memory_tier and len(config.peers) >= 2:
+        buddy = config.peers[(config.peer_index + 1) % len(config.peers)]
+        replicator = peers.Replicator(peers.Peer.parse(buddy), _key(root, rank))
+        staging.on_sealed = replicator.offer
+    return staging, origin, replicator
 
 
 def hand_over(addr: str, root: Path, rank: int, fd: int) -> None:

@@ -200,8 +200,15 @@ def _run(spec: largs.JobSpec, cfg: largs.lconfig.LauncherConfig, run_dir: Path, 
     # The agent's own start-up (interpreter, imports, warm pool started), like a worker's.
     ledger.interval(ev.PHASE, begin=process_start_time(), name="import")
     workers = None
+    peers = None
     try:
         from unbroken.launcher.rendezvous import C10dRendezvous
+
+        if spec.max_nodes > 1:  # other nodes restore from, and replicate to, this one
+            from unbroken.checkpoint.peers import PeerService
+
+            host = node_addr(spec)
+            peers = PeerService(host=host, bind=listen.bind_address(host, single_node=False))
 
         connect = time.time()
         try:
@@ -210,6 +217,7 @@ def _run(spec: largs.JobSpec, cfg: largs.lconfig.LauncherConfig, run_dir: Path, 
                 node_addr=node_addr(spec),
                 timeout_s=cfg.rdzv_timeout_s,
                 poll_s=cfg.rdzv_poll_s,
+                peers=peers,
             )
         except errors.LauncherError as e:
             return _rendezvous_failed(ledger, error_path, run_id, e)
@@ -239,6 +247,8 @@ def _run(spec: largs.JobSpec, cfg: largs.lconfig.LauncherConfig, run_dir: Path, 
             zygote=zygote,
             base_env=base_env,
         )
+        if peers is not None:
+            peers.local = workers.keeper.dup
         agent = Agent(
             spec=spec,
             cfg=cfg,
@@ -258,6 +268,8 @@ def _run(spec: largs.JobSpec, cfg: largs.lconfig.LauncherConfig, run_dir: Path, 
             workers.close()
         if zygote is not None:
             zygote.close()
+        if peers is not None:
+            peers.close()
         heartbeats.close()
         signals.close()
         ledger.close()

@@ -37,10 +37,32 @@ class MemoryKeeper:
         self._sock.bind("\0" + name)
         self._sock.listen(16)
         self._held: dict[str, int] = {}
+        self._touched: dict[str, int] = {}
+        """Key -> the last round it was put or asked for."""
+        self._round = 0
         self._lock = threading.Lock()
         self._closed = False
         self._thread = threading.Thread(target=self._serve, name="unbroken-keeper", daemon=True)
         self._thread.start()
+
+    def begin_round(self, round_: int) -> None:
+        """A new round: arenas neither put nor asked for in this or the previous round are
+        let go (their ranks moved to other nodes, which fetched them in that round)."""
+        with self._lock:
+            self._round = round_
+            old = [k for k, r in self._touched.items() if r < round_ - 1]
+            fds = [self._held.pop(k) for k in old if k in self._held]
+            for k in old:
+                del self._touched[k]
+        for fd in fds:
+            os.close(fd)
+
+    def dup(self, key: str) -> int | None:
+        """A duplicate of the descriptor held under ``key`` (the caller's to close), or None:
+        what the node's peer service serves to other nodes."""
+        with self._lock:
+            fd = self._held.get(key)
+            return os.dup(fd) if fd is not None else None
 
     def held(self) -> dict[str, int]:
         """Key -> bytes of every arena held now."""
@@ -76,6 +98,7 @@ class MemoryKeeper:
                     os.close(fds[0])
                 else:
                     self._held[key] = fds[0]
+                    self._touched[key] = self._round
             if old is not None:
                 os.close(old)
             socket.send_fds(conn, [b'{"ok": "yes"}'], [])
@@ -83,6 +106,8 @@ class MemoryKeeper:
             with self._lock:
                 mine = self._held.get(key)
                 dup = os.dup(mine) if mine is not None else None
+                if mine is not None:
+                    self._touched[key] = self._round
             try:
                 socket.send_fds(conn, [b'{"ok": "yes"}'], [] if dup is None else [dup])
             finally:

@@ -39,7 +39,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import Any, Protocol
 
 from unbroken import env as uenv
 from unbroken.launcher import listen
@@ -71,6 +71,17 @@ class RoundInfo:
     """Port of the round's fresh worker store."""
     store_addr: str
     """host:port of the job store (lives for the whole job)."""
+    peers: tuple[str, ...] = ()
+    """Every node's peer memory service (``host:port#token``) in group-rank order; () when
+    the nodes run none (a single-node job)."""
+
+
+class PeerPort(Protocol):
+    """This node's peer memory service (``unbroken.checkpoint.peers.PeerService``)."""
+
+    @property
+    def peer(self) -> object: ...  # its address, as str() gives it: host:port#token
+    def begin_round(self, round_: int) -> None: ...
 
 
 def _split(endpoint: str, default_port: int = 29400) -> tuple[str, int]:
@@ -127,7 +138,13 @@ class C10dRendezvous:
     """torch's c10d rendezvous plus the round id, the worker store and the exit barrier."""
 
     def __init__(
-        self, spec: JobSpec, *, node_addr: str, timeout_s: float, poll_s: float = 1.0
+        self,
+        spec: JobSpec,
+        *,
+        node_addr: str,
+        timeout_s: float,
+        poll_s: float = 1.0,
+        peers: PeerPort | None = None,
     ) -> None:
         # torch's shared store is the stale-key source
         uenv.set_for_torch(uenv.TORCH_DISABLE_SHARE_RDZV_TCP_STORE, "1")
@@ -149,6 +166,7 @@ class C10dRendezvous:
         self.spec = spec
         self.node_addr = node_addr
         self.timeout_s = timeout_s
+        self.peers = peers
         conf: dict[str, Any] = dict(spec.rdzv_conf)
         conf.setdefault("join_timeout", str(max(1, int(timeout_s))))
         timeouts = {k: _seconds(conf, f"{k}_timeout") for k in _RDZV_TIMEOUTS}
@@ -243,6 +261,7 @@ class C10dRendezvous:
         timeout = timedelta(seconds=self.timeout_s)
         rstore.set_timeout(timeout)
         rstore.set(f"unbroken/nproc/{group_rank}", str(self.spec.nproc_per_node))
+        rstore.set(f"unbroken/peer/{group_rank}", str(self.peers.peer) if self.peers else "")
         if group_rank == 0:
             round_id = int(self.job_store.add(f"unbroken/{self.spec.rdzv_id}/round", 1)) - 1
             self._worker_store = listen.listening_store(
@@ -264,6 +283,12 @@ class C10dRendezvous:
         counts = [
             int(v) for v in rstore.multi_get([f"unbroken/nproc/{i}" for i in range(group_world)])
         ]
+        peers = [
+            bytes(v).decode()
+            for v in rstore.multi_get([f"unbroken/peer/{i}" for i in range(group_world)])
+        ]
+        if self.peers is not None:
+            self.peers.begin_round(int(published["round"]))
         return RoundInfo(
             round=int(published["round"]),
             group_rank=group_rank,
@@ -273,6 +298,7 @@ class C10dRendezvous:
             master_addr=str(published["master_addr"]),
             master_port=int(published["master_port"]),
             store_addr=self.store_addr,
+            peers=tuple(peers) if all(peers) and group_world > 1 else (),
         )
 
     def _state(self) -> Any:

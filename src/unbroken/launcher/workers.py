@@ -170,12 +170,15 @@ class LocalWorkers:
             }
         )
         e[uenv.UNBROKEN_MEMORY_KEEPER] = self.keeper.addr
+        if info.peers:
+            e[uenv.UNBROKEN_PEERS] = ",".join(info.peers)
         return e
 
     # --- start -------------------------------------------------------------------------------
     def start(self, info: RoundInfo) -> dict[int, tuple[int, int]]:
         """Start every local worker of ``info``; ``{local_rank: (rank, pid)}``."""
         self.handles, self._by_pid = {}, {}
+        self.keeper.begin_round(info.round)
         self.tee.reset()
         self._oom_before = errors.oom_kill_count()
         reqs = []

@@ -114,6 +114,12 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="keep no snapshots in memory: every restore reads the newest checkpoint on disk",
     )
+    p.add_argument(
+        "--no-peer-replica",
+        action="store_true",
+        help="in a multi-node unbroken-run job, send no snapshot to another node and fetch "
+        "none from one (a lost node's ranks then restore from disk)",
+    )
     p.add_argument("--ckpt-dir", default=None, help="checkpoint directory (<run_dir>/ckpt)")
     p.add_argument("--ckpt-mode", choices=["async", "sync"], default="async")
     p.add_argument(

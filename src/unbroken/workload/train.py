@@ -115,6 +115,7 @@ def _checkpointer(
 ) -> Checkpointer | None:
     if args.ckpt_every == 0 and args.snapshot_every == 0:
         return None
+    env = WorkerEnv.from_environ()
     return Checkpointer(
         Path(args.ckpt_dir) if args.ckpt_dir else run_dir / "ckpt",
         ledger=ledger,
@@ -128,7 +129,9 @@ def _checkpointer(
         overlap=True,
         snapshot_every=args.snapshot_every,
         memory_tier=not args.no_memory_tier,
-        memory_keeper=WorkerEnv.from_environ().memory_keeper or "",
+        memory_keeper=env.memory_keeper or "",
+        peers=() if args.no_peer_replica else env.peers,
+        peer_index=env.group_rank if env.peers else -1,
     )
 
 

@@ -1,0 +1,197 @@
+"""The peer memory tier on real sockets: a Checkpointer of "node 0" replicates each sealed
+snapshot to node 1's service, a fresh process's Checkpointer with nothing in local memory
+fetches the newest one back (bit for bit), a damaged replica falls back to an older step or to
+disk (never an error), a torn or unauthenticated put is refused, and a node's keeper arenas
+are served to the others."""
+
+from __future__ import annotations
+
+import json
+import socket
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from torch.distributed.checkpoint.metadata import MetadataIndex
+
+from unbroken.checkpoint import CheckpointConfig, Checkpointer, layout, memory, peers
+from unbroken.checkpoint.arena import Arena, Slot, copy_into
+from unbroken.launcher.keeper import MemoryKeeper
+from unbroken.ledger import Ledger, read_events
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def _model(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+    return model, torch.optim.AdamW(model.parameters(), lr=0.05)
+
+
+def _step(model: torch.nn.Module, optim: torch.optim.Optimizer) -> None:
+    model(torch.randn(8, 16)).pow(2).sum().backward()
+    optim.step()
+    optim.zero_grad(set_to_none=True)
+
+
+@pytest.fixture
+def nodes() -> Iterator[list[peers.PeerService]]:
+    services = [peers.PeerService(host="127.0.0.1", bind="127.0.0.1") for _ in range(2)]
+    yield services
+    for s in services:
+        s.close()
+
+
+def _addrs(services: list[peers.PeerService]) -> tuple[str, ...]:
+    return tuple(str(s.peer) for s in services)
+
+
+def _train_on_node0(
+    root: Path, services: list[peers.PeerService], steps: int, led: Ledger | None = None
+) -> dict[str, torch.Tensor]:
+    """Steps 0..steps-1 snapshotted every step (durable every 3); returns the final weights.
+    The Checkpointer is closed after its replicator sent the last snapshot."""
+    model, optim = _model(0)
+    state = {"model": model, "optim": optim}
+    ck = Checkpointer(
+        root, ledger=led, every_steps=3, snapshot_every=1, peers=_addrs(services), peer_index=0
+    )
+    for step in range(steps):
+        _step(model, optim)
+        ck.maybe_save(step, state)
+        ck.wait_staged()
+        assert ck._replica is not None and ck._replica.idle(10.0)
+    ck.close()
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def test_the_next_node_holds_the_two_newest_and_a_fresh_process_restores_the_newest(
+    tmp_path: Path, nodes: list[peers.PeerService]
+) -> None:
+    want = _train_on_node0(tmp_path / "ckpt", nodes, steps=5)
+    key = f"{(tmp_path / 'ckpt').resolve()}#rank0"
+    assert nodes[1].held() == {key: [4, 3]}  # node 0 -> node 1, never to itself
+    assert nodes[0].held() == {}
+    led = Ledger(tmp_path, run="t", rank=0)
+    model2, optim2 = _model(1)
+    with Checkpointer(tmp_path / "ckpt", ledger=led, peers=_addrs(nodes), peer_index=1) as ck:
+        assert ck.restore({"model": model2, "optim": optim2}) == 4  # disk has only step 2
+    led.close()
+    assert all(torch.equal(v, want[k]) for k, v in model2.state_dict().items())
+    [load] = [e for e in read_events(tmp_path) if e.kind == "ckpt_load"]
+    assert (load.get("tier"), load.get("source"), load.get("step")) == ("peer", "peer", 4)
+    assert "checksums verified" in str(load.get("why"))
+
+
+def _damage(service: peers.PeerService, key: str, step: int) -> None:
+    arena = service._replicas[key].arena
+    snap = next(s for s in memory.read(arena)[1] if s.step == step)
+    slot = snap.tensors[0][1]
+    arena.write(slot.offset + 3, bytes([arena.read(slot.offset + 3, 1)[0] ^ 0x40]))
+
+
+def test_a_damaged_replica_falls_back_to_the_older_one_then_to_disk(
+    tmp_path: Path, nodes: list[peers.PeerService]
+) -> None:
+    root = tmp_path / "ckpt"
+    _train_on_node0(root, nodes, steps=5)
+    key = f"{root.resolve()}#rank0"
+    _damage(nodes[1], key, 4)
+    model2, optim2 = _model(1)
+    with Checkpointer(root, peers=_addrs(nodes), peer_index=1) as ck:
+        assert ck.restore({"model": model2, "optim": optim2}) == 3
+    _damage(nodes[1], key, 3)
+    model3, optim3 = _model(1)
+    with Checkpointer(root, peers=_addrs(nodes), peer_index=1) as ck:
+        assert ck.restore({"model": model3, "optim": optim3}) == 2  # the committed one
+    assert layout.committed_steps(root) == [2]
+
+
+def _sealed_region(ring: memory.Ring, *, step: int) -> bytes:
+    """The bytes of region 0 of a ring holding one sealed snapshot of ``step``."""
+    arena = Arena()
+    arena.ensure(ring.total)
+    memory.write_ring(arena, ring)
+    slot = Slot(ring.data_base(0), 1024, torch.float32, (256,))
+    copy_into(arena, [(torch.arange(256.0) + step, slot)])
+    snap = memory.Snapshot(
+        step=step, rank=0, world_size=1, arena=arena, region=0,
+        tensors=[(MetadataIndex("w"), slot)], payloads=[], digests=[], seq=1,
+    )  # fmt: skip
+    memory.seal(snap, ring)
+    data = arena.read(ring.base(0), ring.stride)
+    arena.close()
+    return data
+
+
+def _put(service: peers.PeerService, token: str, verdict: bytes) -> dict[str, object]:
+    ring = memory.Ring(2, 4096, 65536)
+    with socket.create_connection(("127.0.0.1", service.peer.port), timeout=5) as sock:
+        msg = {"op": "put", "key": "k", "token": token, "stride": ring.stride}
+        msg |= {"data_bytes": ring.data_bytes, "meta_cap": ring.meta_cap}
+        data = json.dumps(msg).encode()
+        sock.sendall(len(data).to_bytes(4, "big") + data)
+        if token == service.peer.token:
+            sock.sendall(_sealed_region(ring, step=7))
+            sock.sendall(verdict)
+        n = int.from_bytes(sock.recv(4), "big")
+        return dict(json.loads(sock.recv(n)))
+
+
+def test_a_torn_put_and_a_wrong_token_leave_nothing(nodes: list[peers.PeerService]) -> None:
+    assert _put(nodes[0], nodes[0].peer.token, b"\x00") == {"ok": True, "committed": False}
+    assert nodes[0].held() == {"k": []}
+    assert _put(nodes[0], "not-the-token", b"") == {"ok": False, "error": "bad token"}
+    wrong = peers.Peer("127.0.0.1", nodes[0].peer.port, "not-the-token")
+    assert peers.fetch([wrong], "k") == (None, None)
+
+
+def test_old_replicas_are_dropped_two_rounds_on(nodes: list[peers.PeerService]) -> None:
+    nodes[0].begin_round(3)
+    _put(nodes[0], nodes[0].peer.token, b"\x01")
+    assert nodes[0].held() == {"k": [7]}
+    nodes[0].begin_round(4)  # its rank may have moved: kept for the round that fetches it
+    assert nodes[0].held() == {"k": [7]}
+    nodes[0].begin_round(5)
+    assert nodes[0].held() == {}
+
+
+def test_a_nodes_keeper_arenas_are_served_to_the_others(tmp_path: Path) -> None:
+    """Ranks moved to other nodes (a lost node, a new round): rank 0's arena, kept by node A's
+    keeper, reaches the process of rank 0 on node B."""
+    kept = MemoryKeeper()
+    service = peers.PeerService(host="127.0.0.1", bind="127.0.0.1", local=kept.dup)
+    other = peers.PeerService(host="127.0.0.1", bind="127.0.0.1")
+    root = tmp_path / "ckpt"
+    try:
+        model, optim = _model(0)
+        state = {"model": model, "optim": optim}
+        ck = Checkpointer(root, snapshot_every=1, memory_keeper=kept.addr)
+        for step in range(3):
+            _step(model, optim)
+            ck.maybe_save(step, state)
+        ck.wait_staged()
+        want = {k: v.clone() for k, v in model.state_dict().items()}
+        ck.abort()
+        memory.take(root.resolve())  # a new process: nothing in this one's table
+        arena, where = peers.fetch([service.peer], f"{root.resolve()}#rank0")
+        assert arena is not None and where == f"keeper of 127.0.0.1:{service.peer.port}"
+        assert [s.step for s in memory.read(arena)[1]] == [2, 1, 0]
+        arena.close()
+        model2, optim2 = _model(1)
+        with Checkpointer(root, peers=(str(service.peer), str(other.peer)), peer_index=1) as ck2:
+            assert ck2.restore({"model": model2, "optim": optim2}) == 2
+        assert all(torch.equal(v, want[k]) for k, v in model2.state_dict().items())
+    finally:
+        service.close()
+        other.close()
+        kept.close()
+
+
+def test_peer_settings_are_checked() -> None:
+    with pytest.raises(ValueError, match="peer_index must be this node's position"):
+        CheckpointConfig(peers=("a:1#t", "b:2#t"), peer_index=2)
+    with pytest.raises(ValueError, match="host:port#token"):
+        CheckpointConfig(peers=("a:1",), peer_index=0)
+    assert peers.Peer.parse("[::1]:80#x") == peers.Peer("::1", 80, "x")
