@@ -15,9 +15,10 @@ job; workers get its address as ``UNBROKEN_STORE_ADDR``). On top of each complet
   (pytorch/pytorch#135712), whatever prefix the script uses;
 - agents exchange their worker counts, so global ranks are contiguous per node.
 
-torch's handler sleeps a random 0-0.3 s before a rendezvous while its local round is 0; a
-single-node job therefore runs round 0 twice at start-up (hidden behind the warm pool's
-imports) so that its first restart does not pay that delay.
+A single-node job (``--nnodes 1``) runs torch's rendezvous once, at start-up: no other node
+can join it, so a restart's round only draws the next round id and starts a fresh worker
+store (``_alone``), without the store traffic of a rendezvous round (tens of milliseconds) or
+torch's random 0-0.3 s start skew.
 
 Speed of a multi-node round. A lost node is dropped when its keep-alive is
 ``keep_alive_interval`` x ``keep_alive_max_attempt`` old (``--rdzv-conf``; fractions of a second
@@ -246,9 +247,9 @@ class C10dRendezvous:
     def next_round(self) -> RoundInfo:
         """Join the next round (blocks until it completes or times out)."""
         self._worker_store = None  # the previous round's store dies with its workers
-        if self._rounds == 0 and self.spec.max_nodes == 1:
-            self.handler.next_rendezvous()  # see the module docstring
         self._rounds += 1
+        if self.spec.max_nodes == 1 and self._rounds > 1:
+            return self._alone()
         try:
             info = self.handler.next_rendezvous()
         except Exception as e:
@@ -299,6 +300,30 @@ class C10dRendezvous:
             master_port=int(published["master_port"]),
             store_addr=self.store_addr,
             peers=tuple(peers) if all(peers) and group_world > 1 else (),
+        )
+
+    def _alone(self) -> RoundInfo:
+        """A later round of a single-node job: no other node can join (``--nnodes 1``), so
+        torch's rendezvous round (tens of milliseconds of store traffic on every restart) is
+        skipped; the round id and a fresh worker store are made as for any round."""
+        timeout = timedelta(seconds=self.timeout_s)
+        round_id = int(self.job_store.add(f"unbroken/{self.spec.rdzv_id}/round", 1)) - 1
+        self._worker_store = listen.listening_store(
+            self._dist,
+            self.node_addr,
+            0,
+            bind=listen.bind_address(self.node_addr, single_node=True),
+            timeout=timeout,
+        )
+        return RoundInfo(
+            round=round_id,
+            group_rank=0,
+            group_world_size=1,
+            rank_offset=0,
+            world_size=self.spec.nproc_per_node,
+            master_addr=self.node_addr,
+            master_port=int(self._worker_store.port),
+            store_addr=self.store_addr,
         )
 
     def _state(self) -> Any:
