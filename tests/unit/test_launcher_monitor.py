@@ -90,13 +90,19 @@ def test_stale_and_foreign_heartbeats_are_ignored() -> None:
     assert t.all_heartbeated() and t.progress == 9
 
 
-def test_progress_prefers_committed_steps() -> None:
+def test_progress_is_the_furthest_step_reached_committed_or_not() -> None:
+    """A restart resumes from the newest snapshot in memory, not the newest commit: a job whose
+    restarts each get it further (steps 12, then 13, nothing committed past 10) progresses; one
+    that restarts and never passes step 13 again does not."""
     t = tracker()
     t.begin_round(0, {0: (0, 100)}, now=0.0)
     t.record(hb(0, step=12), now=1.0)
     assert t.progress == 12
     t.record(hb(0, step=13, committed=10), now=2.0)
-    assert t.progress == 10
+    assert t.progress == 13
+    t.begin_round(1, {0: (0, 101)}, now=3.0)
+    t.record(hb(0, step=11, round_=1, pid=101), now=4.0)
+    assert t.progress == 13
 
 
 def test_disabled_tracker_never_reports_hangs() -> None:

@@ -310,8 +310,12 @@ class HeartbeatTracker:
 
     @property
     def progress(self) -> int | None:
-        """Best committed step seen, else best step seen, else None (the job reports none)."""
-        return self.best_committed if self.best_committed is not None else self.best_step
+        """The furthest the job got: the best step or committed step seen, else None (the job
+        reports none). A step counts even before it is committed: with the memory tier a
+        restart resumes from the newest snapshot, not the newest commit, so a job whose
+        restarts each get it further is progressing (the guard is for restarts that do not)."""
+        seen = [s for s in (self.best_step, self.best_committed) if s is not None]
+        return max(seen) if seen else None
 
     # --- deadlines ---------------------------------------------------------------------------
     def _deadline(self, w: _Worker) -> tuple[float, float, str] | None:
