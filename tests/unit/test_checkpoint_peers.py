@@ -6,7 +6,9 @@ are served to the others."""
 
 from __future__ import annotations
 
+import io
 import json
+import os
 import socket
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,7 +17,7 @@ import pytest
 import torch
 from torch.distributed.checkpoint.metadata import MetadataIndex
 
-from unbroken.checkpoint import CheckpointConfig, Checkpointer, layout, memory, peers
+from unbroken.checkpoint import CheckpointConfig, Checkpointer, keeper, layout, memory, peers
 from unbroken.checkpoint.arena import Arena, Slot, copy_into
 from unbroken.launcher.keeper import MemoryKeeper
 from unbroken.ledger import Ledger, read_events
@@ -195,3 +197,61 @@ def test_peer_settings_are_checked() -> None:
     with pytest.raises(ValueError, match="host:port#token"):
         CheckpointConfig(peers=("a:1",), peer_index=0)
     assert peers.Peer.parse("[::1]:80#x") == peers.Peer("::1", 80, "x")
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="needs root to run a process as another user")
+def test_the_keeper_refuses_another_users_process() -> None:
+    """Its socket is abstract, so any process in the network namespace can connect: one of
+    another user can neither take an arena nor plant one."""
+    kept = MemoryKeeper()
+    try:
+        fd = os.memfd_create("t")
+        os.ftruncate(fd, 4096)
+        assert keeper.put(kept.addr, "k", fd)
+        os.close(fd)
+        r, w = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the other user's process: nothing but a connection to the socket
+            try:
+                os.setgid(65534)
+                os.setuid(65534)
+                planted = os.memfd_create("x")
+                got = (keeper.get(kept.addr, "k"), keeper.put(kept.addr, "k", planted))
+                os.write(w, repr(got).encode())
+            finally:
+                os._exit(0)
+        os.close(w)
+        with os.fdopen(r) as f:
+            answer = f.read()
+        os.waitpid(pid, 0)
+        assert answer == "(None, False)"
+        assert kept.refused == 2 and kept.held() == {"k": 4096}
+    finally:
+        kept.close()
+
+
+class _Planted:
+    def __reduce__(self) -> tuple[object, tuple[()]]:
+        return (os.abort, ())  # what a planted replica could run, were it loaded
+
+
+def test_a_replica_whose_values_are_not_plain_is_refused_before_any_is_loaded() -> None:
+    ring = memory.Ring(2, 4096, 65536)
+    arena = Arena()
+    arena.ensure(ring.total)
+    memory.write_ring(arena, ring)
+    good, bad = io.BytesIO(), io.BytesIO()
+    torch.save({"lr": 0.1, "betas": (0.9, 0.99)}, good)
+    torch.save(_Planted(), bad)
+    for region, payload in enumerate((good.getvalue(), bad.getvalue())):
+        snap = memory.Snapshot(
+            step=region, rank=0, world_size=1, arena=arena, region=region, tensors=[],
+            payloads=[(MetadataIndex("v"), payload)], digests=[], seq=region + 1,
+        )  # fmt: skip
+        memory.seal(snap, ring)
+    newest, older = memory.read(arena)[1]
+    assert memory.verify(older, untrusted=True) is None
+    assert memory.verify(newest) is None  # this process's own: trusted
+    why = memory.verify(newest, untrusted=True)
+    assert why is not None and why.startswith("step 1: 'v' is not a plain value")
+    arena.close()

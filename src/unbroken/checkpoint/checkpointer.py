@@ -409,6 +409,7 @@ class Checkpointer:
             world_size=self.world_size,
             verify=self._adopted_from != "process",
             timings=timings,
+            untrusted=self._adopted_from == "peer",
         )
 
     def latest(self) -> int | None:

@@ -258,6 +258,13 @@ class _RecordUnpickler(pickle.Unpickler):
         raise pickle.UnpicklingError(f"{module}.{name} is not part of a done record")
 
 
+def safe_loads(raw: bytes) -> Any:
+    """Unpickle ``raw`` building only the types of a done record or a snapshot's metadata
+    (DCP's indexes and items, arena slots, dtypes, sizes, plain values); UnpicklingError for
+    anything else, before it is constructed."""
+    return _RecordUnpickler(io.BytesIO(raw)).load()
+
+
 def parse_done_record(raw: bytes) -> dict[str, Any]:
     """A writer's done record (``.rank-R.done``); ValueError for anything else."""
     try:

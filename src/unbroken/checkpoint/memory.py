@@ -40,6 +40,7 @@ from torch.distributed.checkpoint.planner import WriteItemType
 from torch.distributed.checkpoint.planner_helpers import _create_write_items
 from torch.distributed.tensor import DTensor
 
+from unbroken.checkpoint import layout
 from unbroken.checkpoint.arena import Arena, Slot
 from unbroken.checkpoint.resolve import _in_mesh, _local, apply_loaded, template_for_load
 
@@ -189,7 +190,8 @@ def read(arena: Arena) -> tuple[Ring | None, list[Snapshot]]:
             logger.warning("in-memory snapshot in region %d: metadata damaged", region)
             continue
         try:
-            meta = pickle.loads(arena.read(base + PAGE, meta_len))
+            # Restricted: an arena may come from another node (see ``peers``).
+            meta = layout.safe_loads(arena.read(base + PAGE, meta_len))
         except Exception as e:  # its digest matched: another version wrote it
             logger.warning("in-memory snapshot in region %d unreadable: %s", region, e)
             continue
@@ -218,11 +220,19 @@ def read(arena: Arena) -> tuple[Ring | None, list[Snapshot]]:
     return ring, sorted(out, key=lambda s: s.seq, reverse=True)
 
 
-def verify(snapshot: Snapshot) -> str | None:
-    """None when every tensor's bytes match their digest, else what did not."""
+def verify(snapshot: Snapshot, *, untrusted: bool = False) -> str | None:
+    """None when every tensor's bytes match their digest, else what did not. ``untrusted``
+    (an arena from another node): also every non-tensor value must load with torch's
+    ``weights_only`` unpickler (plain values and tensors only), so that applying it (a full
+    ``torch.load`` of the same bytes) can construct nothing else."""
     for (index, slot), want in zip(snapshot.tensors, snapshot.digests, strict=True):
         if snapshot.arena.digest(slot.offset, slot.nbytes) != want:
             return f"step {snapshot.step}: {index.fqn!r} fails its checksum"
+    for index, data in snapshot.payloads if untrusted else ():
+        try:
+            torch.load(io.BytesIO(data), weights_only=True)
+        except Exception as e:  # noqa: BLE001 - any failure: not a value we load
+            return f"step {snapshot.step}: {index.fqn!r} is not a plain value ({e})"
     return None
 
 

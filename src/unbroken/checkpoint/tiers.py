@@ -101,6 +101,7 @@ def from_memory(
     world_size: int,
     verify: bool,
     timings: dict[str, float],
+    untrusted: bool = False,
 ) -> tuple[int | None, list[Any], str | None]:
     """Restore the newest step every rank holds in memory into ``state``: the step (None:
     restore from disk), the steps each rank held, and why memory was or was not used; adds
@@ -131,7 +132,7 @@ def from_memory(
             pending = memory.prepare(state, snaps[step], rank=rank)
             t2 = time.perf_counter()
             timings["prepare_s"] = timings.get("prepare_s", 0.0) + t2 - t1
-            verdict = memory.verify(snaps[step]) if verify else None
+            verdict = memory.verify(snaps[step], untrusted=untrusted) if verify else None
             timings["verify_s"] = timings.get("verify_s", 0.0) + time.perf_counter() - t2
         except memory.Mismatch as e:
             verdict = f"step {step} does not fit: {e}"

@@ -7,8 +7,9 @@ the memory: it only holds the descriptors, closes the one a ``put`` replaces, an
 at the end of the job. memfds have no name, so nothing is left in /dev/shm whatever happens to
 the agent: a SIGKILLed agent's descriptors close with it and the kernel frees the memory.
 
-The socket is a unix seqpacket socket in the abstract namespace (no file either), served by one
-thread; the protocol is ``unbroken.checkpoint.keeper``'s (one JSON message each way, the fd as
+The socket is a unix seqpacket socket in the abstract namespace (no file either, but reachable
+by any process of the network namespace: requests from another user, by SO_PEERCRED, are
+refused), served by one thread; the protocol is ``unbroken.checkpoint.keeper``'s (one JSON message each way, the fd as
 SCM_RIGHTS).
 """
 
@@ -20,11 +21,13 @@ import logging
 import os
 import secrets
 import socket
+import struct
 import threading
 
 logger = logging.getLogger(__name__)
 
 _MAX_MSG = 4096
+_CRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
 
 
 class MemoryKeeper:
@@ -42,6 +45,8 @@ class MemoryKeeper:
         self._round = 0
         self._lock = threading.Lock()
         self._closed = False
+        self.refused = 0
+        """Requests refused because they came from another user's process."""
         self._thread = threading.Thread(target=self._serve, name="unbroken-keeper", daemon=True)
         self._thread.start()
 
@@ -78,6 +83,13 @@ class MemoryKeeper:
             with conn:
                 conn.settimeout(2.0)
                 try:
+                    _, uid, _ = _CRED.unpack(
+                        conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CRED.size)
+                    )
+                    if uid != os.getuid():  # an abstract socket: any user of the netns
+                        self.refused += 1
+                        logger.warning("memory keeper: refused a request of uid %d", uid)
+                        continue
                     self._answer(conn)
                 except (OSError, ValueError) as e:
                     logger.warning("memory keeper: a bad request: %s", e)
