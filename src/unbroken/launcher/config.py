@@ -23,13 +23,21 @@ import yaml
 
 # What the warm pool imports before it forks a worker: torch, its distributed package, the
 # lazily imported torch._dynamo that the first DDP()/fully_shard() otherwise pays (~1 s on CPU),
-# DCP (state dicts and checkpoints of FSDP2 jobs) and elastic's @record.
+# DCP (state dicts and checkpoints of FSDP2 jobs) and elastic's @record, FSDP; and unbroken's
+# own worker-side packages (side-effect-free imports, ~0.15-0.4 s of a restarted worker's
+# start-up otherwise: the reference script's imports fall from 0.14 s to 0.015 s here).
 DEFAULT_PRELOAD = (
     "torch",
     "torch.distributed",
     "torch._dynamo",
     "torch.distributed.checkpoint",
+    "torch.distributed.checkpoint.state_dict",
+    "torch.distributed.fsdp",
     "torch.distributed.elastic.multiprocessing.errors",
+    "unbroken.job",
+    "unbroken.checkpoint",
+    "unbroken.restart",
+    "unbroken.faults",
 )
 
 _MODULE_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
