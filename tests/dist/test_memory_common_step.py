@@ -34,7 +34,7 @@ WORKER = textwrap.dedent(
     optim = torch.optim.AdamW(model.parameters(), lr=3e-3)
     state = {"model": model, "optim": optim}
     tokens = torch.randint(0, 512, (2, 17), generator=torch.Generator().manual_seed(0))
-    ck = Checkpointer(root, snapshot_every=1, eager_writer=False)
+    ck = Checkpointer(root, snapshot_every=1, eager_writer=False, run="common")
     after = {}
     for step in range(3):
         wmodel.loss_fn(model(tokens[:, :-1]), tokens[:, 1:]).backward()
