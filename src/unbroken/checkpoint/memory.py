@@ -40,6 +40,7 @@ from torch.distributed.checkpoint.planner import WriteItemType
 from torch.distributed.checkpoint.planner_helpers import _create_write_items
 from torch.distributed.tensor import DTensor
 
+from unbroken.checkpoint import freshopt
 from unbroken.checkpoint.arena import Arena, Slot
 from unbroken.checkpoint.resolve import _in_mesh, _local, apply_loaded, template_for_load
 
@@ -263,11 +264,24 @@ class Pending:
 def prepare(state: Any, snapshot: Snapshot, *, rank: int) -> Pending:
     """Match every item of the live ``state`` with the snapshot, changing nothing; raises
     Mismatch when an item has no counterpart of the same dtype and shape."""
-    saved = {i.fqn for i, _ in snapshot.tensors} | {i.fqn for i, _ in snapshot.payloads}
-    plan = template_for_load(state, rank=rank, saved_keys=saved)
+    holds = freshopt.Saved(
+        tensors={i.fqn: (s.dtype, s.shape) for i, s in snapshot.tensors},
+        values=tuple(i.fqn for i, _ in snapshot.payloads),
+    )
+    saved = set(holds.tensors) | set(holds.values)
+    payloads = {i.fqn: data for i, data in snapshot.payloads}
+    plan = template_for_load(state, rank=rank, saved_keys=saved, saved=holds)
+    for key in plan.fresh:  # freshopt.load needs the groups' parameters in the same order
+        for n, group in enumerate(plan.template[key][freshopt.GROUPS]):
+            data = payloads.get(f"{key}.{freshopt.GROUPS}.{n}.{freshopt.PARAMS}")
+            if data is None or torch.load(io.BytesIO(data)) != group[freshopt.PARAMS]:
+                logger.info("%s: parameters saved in another order; DCP's path maps them", key)
+                plan = template_for_load(state, rank=rank, saved_keys=saved)
+                break
+        if not plan.fresh:
+            break
     flat, mappings = flatten_state_dict(plan.template)
     slots = {(i.fqn, tuple(i.offset or ())): s for i, s in snapshot.tensors}
-    payloads = {i.fqn: data for i, data in snapshot.payloads}
     pending = Pending(state, plan, dict(mappings), [], [], snapshot, rank)
     meshes: dict[int, bool] = {}
     for fqn, obj in flat.items():
