@@ -167,16 +167,32 @@ def test_a_snapshot_of_another_shape_is_a_mismatch(tmp_path: Path) -> None:
     memory.take((tmp_path / "ckpt").resolve()).close()  # type: ignore[union-attr]
 
 
-def test_parameters_in_another_order_take_dcps_path(tmp_path: Path) -> None:
+def test_parameters_in_another_order_are_mapped_by_name(tmp_path: Path) -> None:
     ref = _build("none")
     _train(*ref, steps=2, seed=1)
     snap = _snapshot(tmp_path, *ref)
     model = build_model(SIZES["tiny"], seed=0)  # the same parameters, in reverse order
     reordered = torch.optim.AdamW(list(model.parameters())[::-1], lr=3e-3, weight_decay=0.1)
-    pending = memory.prepare({"model": model, "optim": reordered}, snap, rank=0)
-    assert pending.plan.fresh == set()  # DCP maps the state by name
-    pending.apply()
+    memory.prepare({"model": model, "optim": reordered}, snap, rank=0).apply()
     by_name = dict(model.named_parameters())
     want = {n: ref[1].state[p]["exp_avg"] for n, p in ref[0].named_parameters()}
     assert all(torch.equal(reordered.state[by_name[n]]["exp_avg"], want[n]) for n in want)
     memory.take((tmp_path / "ckpt").resolve()).close()  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize("parallel", ["none", "fsdp"])
+def test_a_disk_restore_makes_the_state_the_same_way(
+    gloo_group: None, tmp_path: Path, parallel: str
+) -> None:
+    ref = _build(parallel)
+    _train(*ref, steps=2, seed=1)
+    with Checkpointer(tmp_path / "ckpt", every_steps=1, memory_tier=False) as ck:
+        ck.save(1, {"model": ref[0], "optim": ref[1]})
+    fresh = _build(parallel)
+    steps = _steps_taken(fresh[1])
+    with Checkpointer(tmp_path / "ckpt", memory_tier=False) as ck:
+        assert ck.restore({"model": fresh[0], "optim": fresh[1]}) == 1
+    assert steps == [] and _same(ref, fresh)
+    _train(*ref, steps=1, seed=2)
+    _train(*fresh, steps=1, seed=2)
+    assert _same(ref, fresh)

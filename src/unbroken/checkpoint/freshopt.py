@@ -37,9 +37,12 @@ class Saved:
     """What a snapshot holds, by flat key."""
 
     tensors: Mapping[str, tuple[torch.dtype, tuple[int, ...]]]
-    """Tensor items: dtype and this rank's shape (a DTensor's: its local shard's)."""
+    """Tensor items: dtype and shape (see ``local``)."""
     values: tuple[str, ...]
     """Non-tensor items (both in the order they were saved)."""
+    local: bool = True
+    """The shapes are this rank's (a DTensor's local shard's: a snapshot), else the global
+    ones (a checkpoint on disk)."""
 
 
 def _fqns(model: nn.Module, optim: torch.optim.Optimizer) -> list[str] | None:
@@ -63,24 +66,27 @@ def _fsdp1(model: nn.Module) -> bool:
     return any(isinstance(m, FullyShardedDataParallel) for m in model.modules())
 
 
-def _device(p: torch.Tensor, shape: tuple[int, ...]) -> torch.device | None:
+def _device(p: torch.Tensor, shape: tuple[int, ...], local: bool) -> torch.device | None:
     """Where the state tensor of ``shape`` for parameter ``p`` goes: a scalar (``step``) on
     CPU as torch.optim makes it, others with the parameter (its shard); None when the layout
-    cannot be told from the shape (a DTensor's state not shaped like its shard)."""
+    cannot be told from the shape (a DTensor's state not shaped like it)."""
     if not shape:
         return torch.device("cpu")
-    local = p.to_local() if isinstance(p, DTensor) else p
-    if isinstance(p, DTensor) and tuple(local.shape) != shape:
-        return None
-    return local.device
+    if not isinstance(p, DTensor):
+        return p.device
+    shard = p.to_local()
+    return shard.device if tuple(shard.shape if local else p.shape) == shape else None
 
 
 def _allocate(wants: list[tuple[torch.Tensor, torch.dtype, tuple[int, ...]]]) -> list[Any]:
-    """Uninitialized tensors for ``(parameter, dtype, shape)``, each a DTensor laid out like
-    its parameter where that is one and the state is not a scalar."""
+    """Uninitialized tensors for ``(parameter, dtype, shape)`` (shapes checked by
+    ``_device``), each a DTensor laid out like its parameter where that is one and the state
+    is not a scalar."""
     out = []
     for p, dtype, shape in wants:
-        t = torch.empty(shape, dtype=dtype, device=_device(p, shape))
+        if isinstance(p, DTensor) and shape:
+            shape = tuple(p.to_local().shape)
+        t = torch.empty(shape, dtype=dtype, device=_device(p, shape, True))
         if isinstance(p, DTensor) and shape:
             t = DTensor.from_local(
                 t, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride()
@@ -116,7 +122,7 @@ def template(
         state.setdefault(fqn, {})[name] = None  # a non-tensor value: the snapshot's replaces it
         if flat in saved.tensors:
             dtype, shape = saved.tensors[flat]
-            if _device(p, shape) is None:
+            if _device(p, shape, saved.local) is None:
                 return None
             wants.append((p, dtype, shape))
             where.append((fqn, name))
@@ -131,9 +137,25 @@ def template(
     return {STATE: ordered, GROUPS: groups}
 
 
+def templates(
+    model: tuple[str, nn.Module] | None,
+    optims: list[tuple[str, torch.optim.Optimizer]],
+    saved: Saved | None,
+) -> dict[str, Any]:
+    """``template`` of each optimizer where it applies, by key."""
+    made = {}
+    for key, optim in optims if model is not None and saved is not None else ():
+        assert model is not None and saved is not None
+        sd = template(model[1], optim, key=key, saved=saved)
+        if sd is not None:
+            made[key] = sd
+    return made
+
+
 def load(model: nn.Module, optim: torch.optim.Optimizer, loaded: Mapping[str, Any]) -> None:
-    """Give ``optim`` the state of a ``template`` filled in. Raises ValueError when the
-    loaded groups list other parameters than ``optim``'s, in another order."""
+    """Give ``optim`` the state of a ``template`` filled in. Loaded groups that list the
+    parameters in another order go through DCP's ``set_optimizer_state_dict``, which maps
+    them by name."""
     fqns = _fqns(model, optim)
     assert fqns is not None  # template checked it
     index = {f: i for i, f in enumerate(fqns)}
@@ -142,11 +164,8 @@ def load(model: nn.Module, optim: torch.optim.Optimizer, loaded: Mapping[str, An
     for g, live in zip(loaded[GROUPS], optim.param_groups, strict=True):
         want = [next(it) for _ in live[PARAMS]]
         if list(g[PARAMS]) != want:
-            raise ValueError(
-                f"the checkpoint's parameter group lists {list(g[PARAMS])[:4]}..., this "
-                f"optimizer {want[:4]}...: build the optimizer over the same parameters in "
-                "the same order"
-            )
+            _sd.set_optimizer_state_dict(model, optim, dict(loaded))
+            return
         groups.append({**g, PARAMS: [index[f] for f in want]})
     state = {index[f]: v for f, v in loaded[STATE].items()}
     optim.load_state_dict({STATE: state, GROUPS: groups})

@@ -269,19 +269,10 @@ def prepare(state: Any, snapshot: Snapshot, *, rank: int) -> Pending:
         values=tuple(i.fqn for i, _ in snapshot.payloads),
     )
     saved = set(holds.tensors) | set(holds.values)
-    payloads = {i.fqn: data for i, data in snapshot.payloads}
     plan = template_for_load(state, rank=rank, saved_keys=saved, saved=holds)
-    for key in plan.fresh:  # freshopt.load needs the groups' parameters in the same order
-        for n, group in enumerate(plan.template[key][freshopt.GROUPS]):
-            data = payloads.get(f"{key}.{freshopt.GROUPS}.{n}.{freshopt.PARAMS}")
-            if data is None or torch.load(io.BytesIO(data)) != group[freshopt.PARAMS]:
-                logger.info("%s: parameters saved in another order; DCP's path maps them", key)
-                plan = template_for_load(state, rank=rank, saved_keys=saved)
-                break
-        if not plan.fresh:
-            break
     flat, mappings = flatten_state_dict(plan.template)
     slots = {(i.fqn, tuple(i.offset or ())): s for i, s in snapshot.tensors}
+    payloads = {i.fqn: data for i, data in snapshot.payloads}
     pending = Pending(state, plan, dict(mappings), [], [], snapshot, rank)
     meshes: dict[int, bool] = {}
     for fqn, obj in flat.items():

@@ -458,11 +458,7 @@ def template_for_load(
     PerRank values the checkpoint lacks for this rank; with ``saved`` (what a snapshot holds)
     an optimizer without state gets it from ``freshopt``, not from DCP's zero-grad step."""
     parts = _split(state)
-    made: dict[str, Any] = {}
-    for key, optim in parts.optims:
-        if saved is not None and parts.model is not None:
-            made[key] = freshopt.template(parts.model[1], optim, key=key, saved=saved)
-    made = {k: v for k, v in made.items() if v is not None}
+    made = freshopt.templates(parts.model, parts.optims, saved)
     rest, _ = _nested({k: v for k, v in state.items() if k not in made}, parts, rank=rank)
     nested = {k: made[k] if k in made else rest[k] for k in state}
     skipped = []
