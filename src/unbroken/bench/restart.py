@@ -13,8 +13,8 @@ The script runs with ``--no-inprocess`` (its in-process restart layer off) unles
 the script checkpoints, and each trial also reports the restarted ranks' restore: the longest
 ``ckpt_load`` of the restart and its tier (``memory`` when the agent kept the dead rank's
 snapshots), and of a memory restore the part that reads memory back (``read``: checking the
-digests and copying into the live state; the rest is agreeing with the other rank and torch
-creating the fresh optimizer's state, which a disk restore pays too), e.g. ``--launchers
+digests and copying into the live state, the fresh optimizer's new pages faulted in; the rest
+is agreeing with the other rank and matching the live state), e.g. ``--launchers
 unbroken --faults sigkill --model small --snapshot-every 1 --hang-timeout-s 30``. Recovery is measured from the ledger alone:
 fault time -> the end of the first step that every rank completes after it
 (``goodput.compute``'s ``recovery_s``); ``detect_s`` is the first detection's latency. Both

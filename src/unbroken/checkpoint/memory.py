@@ -40,7 +40,7 @@ from torch.distributed.checkpoint.planner import WriteItemType
 from torch.distributed.checkpoint.planner_helpers import _create_write_items
 from torch.distributed.tensor import DTensor
 
-from unbroken.checkpoint import layout
+from unbroken.checkpoint import freshopt, layout
 from unbroken.checkpoint.arena import Arena, Slot
 from unbroken.checkpoint.resolve import _in_mesh, _local, apply_loaded, template_for_load
 
@@ -279,8 +279,12 @@ class Pending:
 def prepare(state: Any, snapshot: Snapshot, *, rank: int) -> Pending:
     """Match every item of the live ``state`` with the snapshot, changing nothing; raises
     Mismatch when an item has no counterpart of the same dtype and shape."""
-    saved = {i.fqn for i, _ in snapshot.tensors} | {i.fqn for i, _ in snapshot.payloads}
-    plan = template_for_load(state, rank=rank, saved_keys=saved)
+    holds = freshopt.Saved(
+        tensors={i.fqn: (s.dtype, s.shape) for i, s in snapshot.tensors},
+        values=tuple(i.fqn for i, _ in snapshot.payloads),
+    )
+    saved = set(holds.tensors) | set(holds.values)
+    plan = template_for_load(state, rank=rank, saved_keys=saved, saved=holds)
     flat, mappings = flatten_state_dict(plan.template)
     slots = {(i.fqn, tuple(i.offset or ())): s for i, s in snapshot.tensors}
     payloads = {i.fqn: data for i, data in snapshot.payloads}

@@ -41,6 +41,8 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor
 
+from unbroken.checkpoint import freshopt
+
 logger = logging.getLogger(__name__)
 
 
@@ -440,21 +442,32 @@ class LoadPlan:
     template: dict[str, Any]
     parts: _Parts
     skipped: list[str]
+    fresh: set[str] = field(default_factory=set)
+    """Optimizers whose state ``freshopt`` made (loaded by ``freshopt.load``)."""
 
 
-def template_for_load(state: Mapping[str, Any], *, rank: int, saved_keys: set[str]) -> LoadPlan:
+def template_for_load(
+    state: Mapping[str, Any],
+    *,
+    rank: int,
+    saved_keys: set[str],
+    saved: freshopt.Saved | None = None,
+) -> LoadPlan:
     """A nested state dict for ``dcp.load`` (DCP fills its tensors in place and replaces its
     other leaves). ``saved_keys`` are the flat keys in the checkpoint's metadata, to skip the
-    PerRank values the checkpoint lacks for this rank."""
+    PerRank values the checkpoint lacks for this rank; with ``saved`` (what a snapshot holds)
+    an optimizer without state gets it from ``freshopt``, not from DCP's zero-grad step."""
     parts = _split(state)
-    nested, _ = _nested(state, parts, rank=rank)
+    made = freshopt.templates(parts.model, parts.optims, saved)
+    rest, _ = _nested({k: v for k, v in state.items() if k not in made}, parts, rank=rank)
+    nested = {k: made[k] if k in made else rest[k] for k in state}
     skipped = []
     for key in parts.per_rank:
         prefix = f"{key}.rank{rank}"
         if not any(k == prefix or k.startswith(prefix + ".") for k in saved_keys):
             skipped.append(key)
             del nested[key]
-    return LoadPlan(template=nested, parts=parts, skipped=sorted(skipped))
+    return LoadPlan(template=nested, parts=parts, skipped=sorted(skipped), fresh=set(made))
 
 
 def apply_loaded(state: Mapping[str, Any], plan: LoadPlan, *, rank: int) -> None:
@@ -471,7 +484,10 @@ def apply_loaded(state: Mapping[str, Any], plan: LoadPlan, *, rank: int) -> None
             set_model_state_dict(inner, loaded)
         elif isinstance(inner, torch.optim.Optimizer):
             assert model is not None
-            set_optimizer_state_dict(model, inner, loaded)
+            if key in plan.fresh:
+                freshopt.load(model, inner, loaded)
+            else:
+                set_optimizer_state_dict(model, inner, loaded)
         elif _is_stateful(inner):
             inner.load_state_dict(loaded)
         elif isinstance(inner, Mapping) and inner is not loaded:

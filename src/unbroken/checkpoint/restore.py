@@ -29,7 +29,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from unbroken.checkpoint import layout
+from unbroken.checkpoint import freshopt, layout
 from unbroken.checkpoint.config import CheckpointError
 from unbroken.checkpoint.resolve import apply_loaded, template_for_load
 
@@ -185,7 +185,16 @@ def restore(
         reader = FileSystemReader(ckpt)
         with layout.gc_paused():  # DCP's metadata of many ranks: see gc_paused
             saved = reader.read_metadata().state_dict_metadata
-        plan = template_for_load(state, rank=rank, saved_keys=set(saved))
+        held = freshopt.Saved(
+            tensors={
+                k: (m.properties.dtype, tuple(m.size))
+                for k, m in saved.items()
+                if isinstance(m, TensorStorageMetadata)
+            },
+            values=tuple(k for k, m in saved.items() if not isinstance(m, TensorStorageMetadata)),
+            local=False,
+        )
+        plan = template_for_load(state, rank=rank, saved_keys=set(saved), saved=held)
         _check_shapes(plan.template, saved, ckpt)
         try:
             with warnings.catch_warnings(), layout.gc_paused():  # (dcp.load reads it again)

@@ -106,8 +106,9 @@ def from_memory(
     """Restore the newest step every rank holds in memory into ``state``: the step (None:
     restore from disk), the steps each rank held, and why memory was or was not used; adds
     the seconds of each part to ``timings`` (``gather_s``: agreeing with the other ranks,
-    ``prepare_s``: matching the live state, in a fresh process mostly torch creating the
-    optimizer's state; ``verify_s``: the digests; ``copy_s``: the copy into the state). With
+    ``prepare_s``: matching the live state, a fresh optimizer's state made by ``freshopt``;
+    ``verify_s``: the digests; ``copy_s``: the copy into the state, in a fresh process mostly
+    faulting in the new optimizer state's pages). With
     ``verify`` (an arena a dead process wrote) each copy's digests are checked first; a step
     that fails on any rank is passed over for the next older one every rank holds.
     Collective with a process group: one all-gather of the held steps, then one of the
