@@ -88,14 +88,17 @@ class ResolveCache:
 
     @staticmethod
     def _identity(model: nn.Module, optims: tuple[torch.optim.Optimizer, ...]) -> tuple:
+        # Names too, and buffers: a module removed or added renames or adds state dict keys.
         return (
             id(model),
-            tuple(map(id, model.parameters())),
+            tuple((n, id(t)) for n, t in model.named_parameters(remove_duplicate=False)),
+            tuple((n, id(t)) for n, t in model.named_buffers(remove_duplicate=False)),
             tuple(tuple(id(p) for g in o.param_groups for p in g["params"]) for o in optims),
         )
 
     def begin(self, model: nn.Module, optims: tuple[torch.optim.Optimizer, ...]) -> None:
-        """Once per save: forget the learned renaming if any parameter object changed."""
+        """Once per resolved save: forget the learned renaming if any parameter or buffer
+        object, or its name, changed."""
         key = self._identity(model, optims)
         self._same = key == self._key
         if not self._same:
