@@ -1,5 +1,5 @@
 """The resolve cache's reuse of a model's and its optimizers' items from one save to the next
-(``savecache.Plan``): every change a training loop can make to what the state holds is
+(``reuse.Plan``): every change a training loop can make to what the state holds is
 noticed and resolved afresh, and a snapshot staged through reused items restores bit for bit."""
 
 from __future__ import annotations
@@ -177,3 +177,21 @@ def test_a_snapshot_through_reused_items_restores_bit_exact(tmp_path: Path) -> N
     assert all(torch.equal(got[k], v) for k, v in want["model"].items())
     osd = optim2.state_dict()["state"]
     assert all(torch.equal(torch.as_tensor(osd[i][k]), v) for (i, k), v in want["optim"].items())
+
+
+def test_the_fast_flatten_is_dcps() -> None:
+    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+
+    from unbroken.checkpoint.reuse import flatten
+
+    t = torch.ones(2)
+    cases: list[dict[str, Any]] = [
+        {"progress": {"losses": [float(i) for i in range(3000)]}, "n": 3, "s": "x"},
+        {"a": [1, [2, 3], {"b": t}], "c": (t, 1), "d": [[1.0], [2.0]], "e": []},
+        {"rng": {"rank0": {"torch": t, "python": (3, tuple(range(5)), None), "np": [t, 2]}}},
+        {"x": [{"y": 1}], "z": [[t]], "w": [None, b"b", True], "v": {}},
+    ]
+    for case in cases:
+        assert flatten(case) == flatten_state_dict(case)
+    with pytest.raises(ValueError, match="duplicated flatten key a.b"):
+        flatten({"a": {"b": 1}, "a.b": 2})

@@ -39,8 +39,8 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor
 
-from unbroken.checkpoint import savecache as reuse
-from unbroken.checkpoint.savecache import ResolveCache, _serialize
+from unbroken.checkpoint import reuse
+from unbroken.checkpoint.savecache import Later, ResolveCache, _serialize
 
 logger = logging.getLogger(__name__)
 
@@ -76,12 +76,21 @@ class StageItem:
     persist: bool = True
     """Written by this rank's writer; False for a replicated tensor another rank writes,
     staged only for the memory tier (``stage_all``)."""
+    pending: Later | None = None
+    """Makes ``payload`` when called (``resolve_for_save(defer=True)``; see ``finish``)."""
 
-    # Cached: an item is made anew whenever its tensor or payload changes (``savecache``).
+    def finish(self) -> None:
+        """Make the payload left for later, if any."""
+        if self.pending is not None:
+            self.payload, self.pending = self.pending(), None
+
+    # Cached: an item is made anew whenever its tensor or payload changes (``reuse``).
     @functools.cached_property
     def nbytes(self) -> int:
         if self.tensor is not None:
             return self.tensor.numel() * self.tensor.element_size()
+        if self.pending is not None:
+            return self.pending.estimate
         return len(self.payload or b"")
 
     @functools.cached_property
@@ -217,15 +226,18 @@ def resolve_for_save(
     overlap: bool,
     cache: ResolveCache | None = None,
     stage_all: bool = False,
+    defer: bool = False,
 ) -> ResolvedState:
     """This rank's write items for ``state``, with BYTE_IO values serialized now.
     ``stage_all``: also the replicated tensors another rank writes (``persist=False``), so
     that this rank's staged copy alone restores it (the memory tier). With ``cache``, the
-    model's and optimizers' items are reused while they check out (``reuse``)."""
+    model's and optimizers' items are reused while they check out (``reuse``); with
+    ``defer`` too, the other keys' changed values are captured now and serialized when
+    their item's ``finish`` is called (after this returns, before the payloads are read)."""
     parts = _split(state)
     args = (rank, world_size, overlap, stage_all, _roles(state))
     if cache is not None and cache.plan is not None and cache.plan.check(state, args):
-        out = _reuse(state, parts, cache, cache.plan, rank=rank)
+        out = _reuse(state, parts, cache, cache.plan, rank=rank, defer=defer)
         if out is not None:
             return out
     nested, roles = _nested(state, parts, rank=rank, cache=cache)
@@ -275,6 +287,7 @@ def _items(
     rank: int,
     stage_all: bool,
     overlap: bool,
+    defer: bool = False,
 ) -> dict[str, list[StageItem]]:
     """The items of every flat leaf, by top-level key (``out.assigned`` gets the replicated
     ones this rank holds)."""
@@ -288,6 +301,10 @@ def _items(
             continue  # not part of this DTensor's mesh
         for wi in cache.items_for(fqn, obj) if cache else _create_write_items(fqn, obj):
             if wi.type == WriteItemType.BYTE_IO:
+                if cache is not None and defer:
+                    payload, later = cache.serialize_later(fqn, obj)
+                    mine.append(StageItem(wi, payload=payload, pending=later))
+                    continue
                 payload = cache.serialize(fqn, obj) if cache else _serialize(obj)
                 mine.append(StageItem(wi, payload=payload))
                 continue
@@ -349,7 +366,13 @@ def _learn(
 
 
 def _reuse(
-    state: Mapping[str, Any], parts: _Parts, cache: ResolveCache, plan: reuse.Plan, *, rank: int
+    state: Mapping[str, Any],
+    parts: _Parts,
+    cache: ResolveCache,
+    plan: reuse.Plan,
+    *,
+    rank: int,
+    defer: bool,
 ) -> ResolvedState | None:
     """``resolve_for_save`` through ``plan`` (checked): the model's and optimizers' items as
     they were, the other keys resolved afresh; None when a value moved out of reach."""
@@ -358,10 +381,10 @@ def _reuse(
     mappings: dict[str, Any] = {}
     if extra:
         nested, roles = _nested(extra, _Parts(per_rank=parts.per_rank), rank=rank)
-        flat, mappings = flatten_state_dict(nested)
+        flat, mappings = reuse.flatten(nested)
     out = ResolvedState(items=[], assigned=list(plan.assigned))
     fresh = _items(
-        flat, mappings, roles if extra else {}, {}, set(), out, cache, rank, False, False
+        flat, mappings, roles if extra else {}, {}, set(), out, cache, rank, False, False, defer
     )
     for key in state:
         segment = plan.items(key, cache.serialize) if key in plan.objects else fresh.get(key, [])

@@ -171,12 +171,22 @@ class Staging:
                 now_dst.append(dst)
         return now_src, now_dst, later_src, later_dst
 
-    def held(self, region: int) -> list[tuple[Any, Slot]]:
-        """Every tensor item's index and slot in ``region`` (a ``memory.Snapshot``'s tensors)."""
+    def snapshot(self, step: int, region: int, *, world_size: int) -> memory.Snapshot:
+        """The snapshot of ``step`` being staged in ``region``: its tensors' slots (payloads
+        and digests come with ``fill`` and the seal)."""
         cached = self._region(region)
         if cached.held is None:
             cached.held = list(zip(self._indices, cached.slots, strict=True))
-        return cached.held
+        return memory.Snapshot(
+            step=step,
+            rank=self.rank,
+            world_size=world_size,
+            arena=self.arena,
+            region=region,
+            tensors=cached.held,
+            payloads=[],
+            digests=[],
+        )
 
     def data_base(self, region: int) -> int:
         """Offset of ``region``'s tensor bytes in the arena (what the writer adds)."""
@@ -197,19 +207,21 @@ class Staging:
         dsts: list[torch.Tensor],
         *,
         held: memory.Snapshot,
+        payloads: list[Any],
         seal: bool,
         done: Callable[[], None],
         failed: Callable[[Exception], None],
     ) -> None:
-        """Copy ``srcs`` to ``dsts`` and (with ``seal``) seal ``held``'s region on the stager thread; then
-        ``done()`` runs there (or ``failed(error)`` when either raised)."""
+        """Copy ``srcs`` to ``dsts``, give ``held`` the resolved ``payloads`` items' values
+        (``fill``) and (with ``seal``) seal its region on the stager thread; then ``done()``
+        runs there (or ``failed(error)`` when one of them raised)."""
         if self._thread is None:
             self._thread = threading.Thread(
                 target=self._loop, name=f"unbroken-ckpt-stager-{self.rank}", daemon=True
             )
             self._thread.start()
         self._idle.clear()
-        self._jobs.put((srcs, dsts, held, seal, done, failed))
+        self._jobs.put((srcs, dsts, held, payloads, seal, done, failed))
 
     @property
     def copying(self) -> bool:
@@ -232,9 +244,10 @@ class Staging:
             job = self._jobs.get()
             if job is None:
                 return
-            srcs, dsts, held, seal, done, failed = job
+            srcs, dsts, held, payloads, seal, done, failed = job
             try:
                 copy_tensors(srcs, dsts)
+                fill(held, payloads)
                 if seal:
                     self._seal(held)
                 done()
@@ -282,6 +295,13 @@ class Staging:
         """Free the arena (after ``stop``; the writer has unmapped it or is gone)."""
         self._regions.clear()
         self.arena.close()
+
+
+def fill(held: memory.Snapshot, payloads: list[Any]) -> None:
+    """Make the payloads left for later (``StageItem.finish``) and give ``held`` them all."""
+    for item in payloads:
+        item.finish()
+    held.payloads = [(i.write_item.index, i.payload) for i in payloads if i.payload is not None]
 
 
 def process_memory() -> dict[str, int]:
