@@ -121,8 +121,6 @@ class Plan:
     mappings: dict[str, Any] = field(default_factory=dict)
     """The flatten mapping of these keys' leaves."""
     assigned: list[Any] = field(default_factory=list)
-    modules: list[tuple[Any, ...]] = field(default_factory=list)
-    """Every module of the model: its tables, its children's ids, table sizes."""
     optims: list[tuple[Any, ...]] = field(default_factory=list)
     """Every optimizer: its state, the state's size, its param groups (dict, ids, size)."""
     states: list[tuple[Any, ...]] = field(default_factory=list)
@@ -131,10 +129,16 @@ class Plan:
     _where: list[tuple[Any, Any]] = field(default_factory=list)
     _objs: list[torch.Tensor] = field(default_factory=list)
     _locals: list[torch.Tensor] = field(default_factory=list)
-    _ptrs: list[int] = field(default_factory=list)
-    _shapes: list[torch.Size] = field(default_factory=list)
-    _dtypes: list[torch.dtype] = field(default_factory=list)
-    _dtensors: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    _meta: list[tuple[int, torch.Size, torch.dtype]] = field(default_factory=list)
+    """(storage address, shape, dtype) of every leaf's local tensor."""
+    _dtensors: tuple[list[torch.Tensor], list[torch.Tensor]] = field(
+        default_factory=lambda: ([], [])
+    )
+    _modules: list[nn.Module] = field(default_factory=list)
+    _tables: tuple[list[Any], list[Any]] = field(default_factory=lambda: ([], []))
+    """Every module's ``_parameters`` and ``_buffers``."""
+    _sizes: tuple[list[int], list[int]] = field(default_factory=lambda: ([], []))
+    _children: list[tuple[int, ...]] = field(default_factory=list)
     values: dict[str, list[Value]] = field(default_factory=dict)
     """key -> its non-tensor leaves."""
 
@@ -145,15 +149,16 @@ class Plan:
         for key, obj in self.objects.items():
             if state[key] is not obj:
                 return False
-        for module, params, buffers, children, n_params, n_buffers in self.modules:
-            if (
-                module._parameters is not params
-                or module._buffers is not buffers
-                or len(params) != n_params
-                or len(buffers) != n_buffers
-                or tuple(map(id, module._modules.values())) != children
-            ):
-                return False
+        # One pass per property over every module and leaf: ~0.3 us a leaf, ~1.3 us in a loop.
+        mods, tables = self._modules, self._tables
+        if not (
+            all(map(operator.is_, [m._parameters for m in mods], tables[0]))
+            and all(map(operator.is_, [m._buffers for m in mods], tables[1]))
+            and list(map(len, tables[0])) == self._sizes[0]
+            and list(map(len, tables[1])) == self._sizes[1]
+            and [tuple(map(id, m._modules.values())) for m in mods] == self._children
+        ):
+            return False
         for optim, opt_state, n, groups in self.optims:
             if optim.state is not opt_state or len(opt_state) != n:
                 return False
@@ -162,21 +167,26 @@ class Plan:
             for live, (group, ids, size) in zip(optim.param_groups, groups, strict=True):
                 if live is not group or len(group) != size or list(map(id, group["params"])) != ids:
                     return False
-        for opt_state, param, d, n in self.states:
-            if opt_state.get(param) is not d or len(d) != n:
-                return False
-        # One pass per property over every leaf (~0.3 us a leaf, against ~1.3 us for a loop).
+        states = self.states
+        if not (
+            all(
+                map(operator.is_, [s.get(p) for s, p, _, _ in states], [d for _, _, d, _ in states])
+            )
+            and [len(d) for _, _, d, _ in states] == [n for _, _, _, n in states]
+        ):
+            return False
         if not all(map(operator.is_, [c.get(k, _MISSING) for c, k in self._where], self._objs)):
             return False
-        for obj, local in self._dtensors:
-            if _local(obj) is not local:
-                return False
-        locals_ = self._locals
-        return (
-            [t.data_ptr() for t in locals_] == self._ptrs
-            and [t.shape for t in locals_] == self._shapes
-            and [t.dtype for t in locals_] == self._dtypes
-        )
+        dtensors = self._dtensors
+        if not all(
+            map(
+                operator.is_,
+                [getattr(o, "_local_tensor", None) for o in dtensors[0]],
+                dtensors[1],
+            )
+        ):
+            return False
+        return [(t.data_ptr(), t.shape, t.dtype) for t in self._locals] == self._meta
 
     def add(self, leaf: Leaf) -> None:
         """Check ``leaf`` from now on."""
@@ -184,11 +194,21 @@ class Plan:
         self._where.append((leaf.container, leaf.key))
         self._objs.append(leaf.obj)
         self._locals.append(leaf.local)
-        self._ptrs.append(leaf.ptr)
-        self._shapes.append(leaf.shape)
-        self._dtypes.append(leaf.dtype)
+        self._meta.append((leaf.ptr, leaf.shape, leaf.dtype))
         if leaf.local is not leaf.obj:
-            self._dtensors.append((leaf.obj, leaf.local))
+            self._dtensors[0].append(leaf.obj)
+            self._dtensors[1].append(leaf.local)
+
+    def add_module(self, module: nn.Module) -> None:
+        """Check from now on that ``module``'s parameters, buffers and children stay."""
+        self._modules.append(module)
+        params: dict[str, Any] = module._parameters
+        buffers: dict[str, Any] = module._buffers
+        self._tables[0].append(params)
+        self._tables[1].append(buffers)
+        self._sizes[0].append(len(params))
+        self._sizes[1].append(len(buffers))
+        self._children.append(tuple(map(id, module._modules.values())))
 
     def items(self, key: str, serialize: Callable[[str, Any], bytes]) -> list[Any] | None:
         """The items of ``key`` with its non-tensor values read afresh (after ``check``);
@@ -227,9 +247,7 @@ def build(
     by_param: dict[str, Any] = {}
     if model is not None:
         for module in model.modules():
-            p, b = module._parameters, module._buffers
-            children = tuple(map(id, module._modules.values()))
-            plan.modules.append((module, p, b, children, len(p), len(b)))
+            plan.add_module(module)
     if optim is not None:
         assert optim_map is not None
         groups = [(g, list(map(id, g["params"])), len(g)) for g in optim.param_groups]
@@ -237,6 +255,7 @@ def build(
         params = [p for g in optim.param_groups for p in g["params"]]
         by_param = {fqn: params[i] for i, fqn in optim_map.items()}
     where: dict[str, tuple[Any, Any]] = {}
+    seen: set[int] = set()
     for fqn, obj in flat.items():
         path = mappings[fqn]
         if model_map is not None and len(path) == 2 and path[1] in model_map:
@@ -246,7 +265,9 @@ def build(
             container = optim.state.get(param)
             if container is None:
                 return False
-            plan.states.append((optim.state, param, container, len(container)))
+            if id(container) not in seen:  # one check per parameter, not per state value
+                seen.add(id(container))
+                plan.states.append((optim.state, param, container, len(container)))
             where[fqn] = (container, path[3])
         elif optim is not None and len(path) == 4 and path[1] == "param_groups":
             where[fqn] = (optim.param_groups[path[2]], path[3])
