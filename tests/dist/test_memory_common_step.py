@@ -44,6 +44,8 @@ WORKER = textwrap.dedent(
         if step < 2 or env.rank == 0:  # rank 1 "dies" before step 2 is staged
             ck.maybe_save(step, state)
     ck.abort()
+    # Both ranks let go of the directory (job "unnamed") before either claims it as "common".
+    torch.distributed.barrier()
     led = Ledger(out.parent / f"run{env.rank}", run="common", rank=env.rank)
     with Checkpointer(root, ledger=led, eager_writer=False) as ck2:
         restored = ck2.restore(state)
