@@ -63,14 +63,14 @@ def test_a_checkpoint_holds_the_values_at_save_time(
     tmp_path: Path, overlap: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     if overlap:  # make the background copy slow, so only the optimizer hook protects it
-        real_copy = staging_mod.copy_into
+        real_copy = staging_mod.copy_tensors
 
-        def slow_copy(arena: Any, pairs: Any) -> None:
+        def slow_copy(srcs: Any, dsts: Any) -> None:
             if threading.current_thread().name.startswith("unbroken-ckpt-stager"):
                 time.sleep(0.3)
-            real_copy(arena, pairs)
+            real_copy(srcs, dsts)
 
-        monkeypatch.setattr(staging_mod, "copy_into", slow_copy)
+        monkeypatch.setattr(staging_mod, "copy_tensors", slow_copy)
     led = Ledger(tmp_path, run="t", rank=0)
     model, optim = _model(0)
     cursor, extra = Cursor(), torch.arange(6.0)

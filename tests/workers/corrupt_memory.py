@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+from typing import Any
 
 from unbroken.checkpoint import memory
 from unbroken.workload import train
@@ -17,8 +18,8 @@ _seal = memory.seal
 
 
 def _corrupt_and_die(at: int):
-    def seal(snapshot: memory.Snapshot, ring: memory.Ring) -> None:
-        _seal(snapshot, ring)
+    def seal(snapshot: memory.Snapshot, ring: memory.Ring, **kwargs: Any) -> None:
+        _seal(snapshot, ring, **kwargs)
         if snapshot.step != at:
             return
         _, held = memory.read(snapshot.arena)

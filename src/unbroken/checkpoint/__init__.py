@@ -1,6 +1,7 @@
 """Asynchronous sharded checkpoints with atomic, verified commits.
 
-Owns: resolving a training state into DCP write items (``resolve``), the shared staging arena
+Owns: resolving a training state into DCP write items (``resolve``; ``savecache`` and
+``reuse``: what one save keeps for the next), the shared staging arena
 and the copy into it (``arena``, ``staging``), the save in flight and its persistent per-rank
 writer process (``inflight``, ``writer``, ``client``, ``protocol``), the hooks fault injection
 and tests hand that process (``hooks``), the on-disk layout, commit protocol and retention

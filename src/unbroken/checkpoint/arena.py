@@ -162,13 +162,19 @@ class Arena:
 @torch.no_grad()
 def copy_into(arena: Arena, pairs: list[tuple[torch.Tensor, Slot]]) -> None:
     """Copy each source tensor into its slot; waits for device copies to finish."""
-    cuda = False
-    for src, slot in pairs:
-        dst = arena.view(slot)
-        if src.is_cuda:
-            cuda = True
-            dst.copy_(src, non_blocking=True)
-        else:
-            dst.copy_(src)
-    if cuda:
+    copy_tensors([src for src, _ in pairs], [arena.view(slot) for _, slot in pairs])
+
+
+@torch.no_grad()
+def copy_tensors(srcs: list[torch.Tensor], dsts: list[torch.Tensor]) -> None:
+    """Copy each source into its destination (of the same dtype and shape: arena views);
+    waits for device copies to finish. Host sources go in one ``_foreach_copy_`` call (one
+    dispatch instead of one per tensor: ~2 us each)."""
+    if not srcs:
+        return
+    if any(src.is_cuda for src in srcs):
+        for src, dst in zip(srcs, dsts, strict=True):
+            dst.copy_(src, non_blocking=src.is_cuda)
         torch.cuda.current_stream().synchronize()
+    else:
+        torch._foreach_copy_(dsts, srcs)

@@ -148,13 +148,16 @@ class Snapshot:
     """Order of staging within the ring (higher: newer)."""
 
 
-def seal(snapshot: Snapshot, ring: Ring) -> None:
+def seal(snapshot: Snapshot, ring: Ring, *, relative: list[Slot] | None = None) -> None:
     """Write the digests, metadata and then the header of a fully copied region. Raises
-    ValueError when the metadata does not fit the ring (it must be laid out anew)."""
+    ValueError when the metadata does not fit the ring (it must be laid out anew).
+    ``relative``: the tensors' slots counted from the region's data (else worked out)."""
     arena, region = snapshot.arena, snapshot.region
     snapshot.digests = [arena.digest(s.offset, s.nbytes) for _, s in snapshot.tensors]
-    base = ring.data_base(region)
-    rel = [(i, Slot(s.offset - base, s.nbytes, s.dtype, s.shape)) for i, s in snapshot.tensors]
+    if relative is None:
+        base = ring.data_base(region)
+        relative = [Slot(s.offset - base, s.nbytes, s.dtype, s.shape) for _, s in snapshot.tensors]
+    rel = [(i, s) for (i, _), s in zip(snapshot.tensors, relative, strict=True)]
     meta = pickle.dumps(
         {
             "step": snapshot.step,

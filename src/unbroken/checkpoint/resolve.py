@@ -19,8 +19,7 @@ Who writes what, decided without a collective:
 
 from __future__ import annotations
 
-import copy
-import io
+import functools
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -28,7 +27,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.checkpoint import state_dict as _sd
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
@@ -41,7 +39,8 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor
 
-from unbroken.checkpoint import freshopt
+from unbroken.checkpoint import freshopt, reuse
+from unbroken.checkpoint.savecache import Later, ResolveCache, _serialize
 
 logger = logging.getLogger(__name__)
 
@@ -77,12 +76,29 @@ class StageItem:
     persist: bool = True
     """Written by this rank's writer; False for a replicated tensor another rank writes,
     staged only for the memory tier (``stage_all``)."""
+    pending: Later | None = None
+    """Makes ``payload`` when called (``resolve_for_save(defer=True)``; see ``finish``)."""
 
-    @property
+    def finish(self) -> None:
+        """Make the payload left for later, if any."""
+        if self.pending is not None:
+            self.payload, self.pending = self.pending(), None
+
+    # Cached: an item is made anew whenever its tensor or payload changes (``reuse``).
+    @functools.cached_property
     def nbytes(self) -> int:
         if self.tensor is not None:
             return self.tensor.numel() * self.tensor.element_size()
+        if self.pending is not None:
+            return self.pending.estimate
         return len(self.payload or b"")
+
+    @functools.cached_property
+    def layout(self) -> tuple[Any, ...]:
+        """What a tensor item's place in the staging layout depends on."""
+        assert self.tensor is not None
+        index = self.write_item.index
+        return (index.fqn, tuple(index.offset or ()), self.tensor.dtype, tuple(self.tensor.shape))
 
 
 @dataclass
@@ -107,174 +123,6 @@ class _Parts:
     model: tuple[str, nn.Module] | None = None
     optims: list[tuple[str, torch.optim.Optimizer]] = field(default_factory=list)
     per_rank: set[str] = field(default_factory=set)
-
-
-class ResolveCache:
-    """What stays the same from one save to the next, kept by a Checkpointer.
-
-    - A fast path for ``get_model_state_dict`` / ``get_optimizer_state_dict``: both are
-      ``state_dict()`` with keys renamed to FQNs, but recompute every FQN on every call (5 ms
-      per save for the 22M-parameter reference model on this machine). The first save calls
-      them, learns the renaming, and checks that ``state_dict()`` plus the renaming gives the
-      same keys, the same tensors (storage, shape, dtype, type) and equal other values. Later
-      saves rename directly (0.3 ms) while the model's and optimizers' parameters are the same
-      objects; anything else (FSDP1, a mismatch) keeps the public calls.
-    - The write items of each tensor, keyed by name, shape, dtype and placement.
-    """
-
-    def __init__(self) -> None:
-        self._key: tuple[Any, ...] | None = None
-        self._model_map: dict[str, tuple[dict[str, Any], str]] | None = None
-        self._optim_maps: dict[int, dict[int, str]] = {}
-        self._broken = False
-        self._same = False
-        self.write_items: dict[tuple[Any, ...], list[WriteItem]] = {}
-        self.param_ptrs: tuple[tuple[Any, ...], set[int]] | None = None
-        self._payloads: dict[str, tuple[Any, bytes]] = {}
-
-    def serialize(self, fqn: str, obj: Any) -> bytes:
-        """``torch.save`` bytes of a non-tensor value, reused while the value is unchanged
-        (torch.save costs ~0.2 ms even for a float; an optimizer has a dozen such values)."""
-        hit = self._payloads.get(fqn)
-        try:
-            if hit is not None and type(hit[0]) is type(obj) and bool(hit[0] == obj):
-                return hit[1]
-        except Exception:  # a value without a plain == (arrays): serialize it afresh
-            pass
-        payload = _serialize(obj)
-        self._payloads[fqn] = (copy.deepcopy(obj), payload)
-        return payload
-
-    @staticmethod
-    def _identity(model: nn.Module, optims: tuple[torch.optim.Optimizer, ...]) -> tuple:
-        return (
-            id(model),
-            tuple(map(id, model.parameters())),
-            tuple(tuple(id(p) for g in o.param_groups for p in g["params"]) for o in optims),
-        )
-
-    def begin(self, model: nn.Module, optims: tuple[torch.optim.Optimizer, ...]) -> None:
-        """Once per save: forget the learned renaming if any parameter object changed."""
-        key = self._identity(model, optims)
-        self._same = key == self._key
-        if not self._same:
-            self._key, self._model_map, self._optim_maps = key, None, {}
-
-    def _valid(self) -> bool:
-        return self._same and not self._broken
-
-    def _fqn(self, model: nn.Module, name: str) -> str:
-        fqns = _sd._get_fqns(model, name)
-        if len(fqns) != 1:
-            raise KeyError(name)
-        return next(iter(fqns))
-
-    def _give_up(self, what: str, why: object) -> None:
-        logger.info("no fast %s state dict (%s); using the public call every save", what, why)
-        self._broken = True
-
-    def model_state(self, model: nn.Module, optims: tuple[torch.optim.Optimizer, ...]) -> Any:
-        if self._valid() and self._model_map is not None:
-            # The live parameter and buffer objects themselves: no state_dict() walk and no
-            # per-tensor detach (a DTensor detach costs ~40 us in DTensor's dispatcher).
-            out = {}
-            for fqn, (table, name) in self._model_map.items():
-                value = table.get(name)
-                if value is None:
-                    break
-                out[fqn] = value
-            else:
-                return out
-        ref = get_model_state_dict(model)
-        if not self._broken:
-            try:
-                mapping = self._learn_model(model, ref)
-                if mapping is None:
-                    self._give_up("model", "state_dict() renamed differs from DCP's")
-                self._model_map = mapping
-            except (AttributeError, KeyError, TypeError) as e:
-                self._give_up("model", e)
-        return ref
-
-    def _learn_model(
-        self, model: nn.Module, ref: dict[str, Any]
-    ) -> dict[str, tuple[dict[str, Any], str]] | None:
-        """fqn -> (the module's _parameters or _buffers dict, name) for every key of
-        ``ref``, if each resolves to a tensor on the same storage."""
-        mapping: dict[str, Any] = {}
-        for key in model.state_dict():
-            fqn = self._fqn(model, key)
-            owner, _, name = key.rpartition(".")
-            module = model.get_submodule(owner)
-            table = module._parameters if name in module._parameters else module._buffers
-            mapping[fqn] = (table, name)
-        mine = {fqn: table[name] for fqn, (table, name) in mapping.items()}
-        return mapping if _same_state(mine, ref) else None
-
-    def optim_state(
-        self, model: nn.Module, optim: torch.optim.Optimizer, optims: tuple[Any, ...]
-    ) -> Any:
-        fresh = not optim.state  # DCP initializes a fresh optimizer's state: keep its path
-        mapping = self._optim_maps.get(id(optim))
-        if not fresh and self._valid() and mapping is not None:
-            return _rename_optim(optim.state_dict(), mapping)
-        ref = get_optimizer_state_dict(model, optim)
-        if not self._broken and not fresh:
-            try:
-                params = [p for g in optim.param_groups for p in g["params"]]
-                pid = {id(p): i for i, p in enumerate(params)}
-                mapping = {
-                    pid[id(p)]: self._fqn(model, n)
-                    for n, p in model.named_parameters()
-                    if id(p) in pid
-                }
-                if _same_state(_rename_optim(optim.state_dict(), mapping), ref):
-                    self._optim_maps[id(optim)] = mapping
-                else:
-                    self._give_up("optimizer", "state_dict() renamed differs from DCP's")
-            except (AttributeError, KeyError, TypeError) as e:
-                self._give_up("optimizer", e)
-        return ref
-
-    def items_for(self, fqn: str, obj: Any) -> list[WriteItem]:
-        if isinstance(obj, DTensor):
-            key: tuple[Any, ...] = (
-                fqn, "d", tuple(obj.shape), obj.dtype, id(obj.device_mesh), obj.placements
-            )  # fmt: skip
-        elif isinstance(obj, torch.Tensor):
-            key = (fqn, "t", tuple(obj.shape), obj.dtype)
-        else:
-            return _create_write_items(fqn, obj)
-        items = self.write_items.get(key)
-        if items is None:
-            items = self.write_items[key] = _create_write_items(fqn, obj)
-        return items
-
-
-def _rename_optim(osd: dict[str, Any], mapping: dict[int, str]) -> dict[str, Any]:
-    return {
-        "state": {mapping[pid]: v for pid, v in osd["state"].items()},
-        "param_groups": [
-            {**g, "params": [mapping[pid] for pid in g["params"]]} for g in osd["param_groups"]
-        ],
-    }
-
-
-def _same_state(a: Any, b: Any) -> bool:
-    """Same nested structure, tensors on the same storage with the same shape, dtype and
-    type, other values equal."""
-    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        return (
-            isinstance(a, DTensor) == isinstance(b, DTensor)
-            and _local(a).data_ptr() == _local(b).data_ptr()
-            and a.shape == b.shape
-            and a.dtype == b.dtype
-        )
-    if isinstance(a, Mapping) and isinstance(b, Mapping):
-        return a.keys() == b.keys() and all(_same_state(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
-        return len(a) == len(b) and all(_same_state(x, y) for x, y in zip(a, b, strict=True))
-    return bool(a == b)
 
 
 def _split(state: Mapping[str, Any]) -> _Parts:
@@ -358,12 +206,6 @@ def _in_mesh(mesh: Any, seen: dict[int, bool]) -> bool:
     return seen[id(mesh)]
 
 
-def _serialize(obj: Any) -> bytes:
-    buf = io.BytesIO()
-    torch.save(obj, buf)
-    return buf.getvalue()
-
-
 def _assign(items: list[tuple[str, int]], world_size: int) -> dict[str, int]:
     """Deterministic balance of replicated items over ranks: largest first, to the least
     loaded rank (lowest on ties). Every rank computes the same answer from the same list."""
@@ -384,22 +226,25 @@ def resolve_for_save(
     overlap: bool,
     cache: ResolveCache | None = None,
     stage_all: bool = False,
+    defer: bool = False,
 ) -> ResolvedState:
     """This rank's write items for ``state``, with BYTE_IO values serialized now.
     ``stage_all``: also the replicated tensors another rank writes (``persist=False``), so
-    that this rank's staged copy alone restores it (the memory tier)."""
+    that this rank's staged copy alone restores it (the memory tier). With ``cache``, the
+    model's and optimizers' items are reused while they check out (``reuse``); with
+    ``defer`` too, the other keys' changed values are captured now and serialized when
+    their item's ``finish`` is called (after this returns, before the payloads are read)."""
     parts = _split(state)
+    args = (rank, world_size, overlap, stage_all, _roles(state))
+    if cache is not None and cache.plan is not None and cache.plan.check(state, args):
+        out = _reuse(state, parts, cache, cache.plan, rank=rank, defer=defer)
+        if out is not None:
+            return out
     nested, roles = _nested(state, parts, rank=rank, cache=cache)
     flat, mappings = flatten_state_dict(nested)
     param_ptrs: set[int] = set()
     if overlap and parts.model is not None:
-        key = cache._key if cache else None
-        if cache and key is not None and cache.param_ptrs and cache.param_ptrs[0] == key:
-            param_ptrs = cache.param_ptrs[1]
-        else:
-            param_ptrs = {_local(p.data).data_ptr() for p in parts.model[1].parameters()}
-            if cache and key is not None:
-                cache.param_ptrs = (key, param_ptrs)
+        param_ptrs = {_local(p.data).data_ptr() for p in parts.model[1].parameters()}
     replicated = [
         (fqn, obj.numel() * obj.element_size())
         for fqn, obj in flat.items()
@@ -409,15 +254,59 @@ def resolve_for_save(
     ]
     owner = _assign(replicated, world_size)
     out = ResolvedState(items=[], planner_data=dict(mappings))
+    items = _items(flat, mappings, roles, owner, param_ptrs, out, cache, rank, stage_all, overlap)
+    for fqn_items in items.values():
+        out.items.extend(fqn_items)
+    if cache is not None:
+        cache.plan = _learn(state, parts, cache, flat, mappings, roles, items, out, args)
+    return out
+
+
+def _roles(state: Mapping[str, Any]) -> tuple[tuple[str, str], ...]:
+    return tuple(
+        (
+            k,
+            "model"
+            if isinstance(v, nn.Module)
+            else "optim"
+            if isinstance(v, torch.optim.Optimizer)
+            else "",
+        )
+        for k, v in state.items()
+    )
+
+
+def _items(
+    flat: Mapping[str, Any],
+    mappings: Mapping[str, Any],
+    roles: Mapping[str, str],
+    owner: Mapping[str, int],
+    param_ptrs: set[int],
+    out: ResolvedState,
+    cache: ResolveCache | None,
+    rank: int,
+    stage_all: bool,
+    overlap: bool,
+    defer: bool = False,
+) -> dict[str, list[StageItem]]:
+    """The items of every flat leaf, by top-level key (``out.assigned`` gets the replicated
+    ones this rank holds)."""
+    by_key: dict[str, list[StageItem]] = {}
     meshes: dict[int, bool] = {}
     for fqn, obj in flat.items():
-        role = roles[str(mappings[fqn][0])]
+        key = str(mappings[fqn][0])
+        role = roles[key]
+        mine = by_key.setdefault(key, [])
         if isinstance(obj, DTensor) and not _in_mesh(obj.device_mesh, meshes):
             continue  # not part of this DTensor's mesh
         for wi in cache.items_for(fqn, obj) if cache else _create_write_items(fqn, obj):
             if wi.type == WriteItemType.BYTE_IO:
+                if cache is not None and defer:
+                    payload, later = cache.serialize_later(fqn, obj)
+                    mine.append(StageItem(wi, payload=payload, pending=later))
+                    continue
                 payload = cache.serialize(fqn, obj) if cache else _serialize(obj)
-                out.items.append(StageItem(wi, payload=payload))
+                mine.append(StageItem(wi, payload=payload))
                 continue
             persist = True
             if fqn in owner:
@@ -430,7 +319,79 @@ def resolve_for_save(
             background = overlap and (
                 role == "optim" or (role == "model" and local.data_ptr() in param_ptrs)
             )
-            out.items.append(StageItem(wi, tensor=local, background=background, persist=persist))
+            mine.append(StageItem(wi, tensor=local, background=background, persist=persist))
+    return by_key
+
+
+def _learn(
+    state: Mapping[str, Any],
+    parts: _Parts,
+    cache: ResolveCache,
+    flat: Mapping[str, Any],
+    mappings: Mapping[str, Any],
+    roles: Mapping[str, str],
+    items: Mapping[str, list[StageItem]],
+    out: ResolvedState,
+    args: tuple[Any, ...],
+) -> reuse.Plan | None:
+    """A plan reusing the model's and optimizers' items of this save, or None when the fast
+    state dicts were not used (``ResolveCache``)."""
+    if parts.model is None or not cache._valid() or cache._model_map is None:
+        return None
+    model = parts.model[1]
+    plan = reuse.Plan(args=args, objects={}, assigned=list(out.assigned))
+    for key, role in roles.items():
+        if role not in ("model", "optim"):
+            continue
+        obj = state[key]
+        plan.objects[key] = obj
+        mine = {fqn: v for fqn, v in flat.items() if mappings[fqn][0] == key}
+        optim_map = cache._optim_maps.get(id(obj)) if role == "optim" else None
+        if role == "optim" and optim_map is None:
+            return None
+        ok = reuse.build(
+            plan,
+            key,
+            mine,
+            items.get(key, []),
+            mappings,
+            model=model if role == "model" else None,
+            model_map=cache._model_map if role == "model" else None,
+            optim=obj if role == "optim" else None,
+            optim_map=optim_map,
+        )
+        if not ok:
+            return None
+    return plan
+
+
+def _reuse(
+    state: Mapping[str, Any],
+    parts: _Parts,
+    cache: ResolveCache,
+    plan: reuse.Plan,
+    *,
+    rank: int,
+    defer: bool,
+) -> ResolvedState | None:
+    """``resolve_for_save`` through ``plan`` (checked): the model's and optimizers' items as
+    they were, the other keys resolved afresh; None when a value moved out of reach."""
+    extra = {k: v for k, v in state.items() if k not in plan.objects}
+    flat: dict[str, Any] = {}
+    mappings: dict[str, Any] = {}
+    if extra:
+        nested, roles = _nested(extra, _Parts(per_rank=parts.per_rank), rank=rank)
+        flat, mappings = reuse.flatten(nested)
+    out = ResolvedState(items=[], assigned=list(plan.assigned))
+    fresh = _items(
+        flat, mappings, roles if extra else {}, {}, set(), out, cache, rank, False, False, defer
+    )
+    for key in state:
+        segment = plan.items(key, cache.serialize) if key in plan.objects else fresh.get(key, [])
+        if segment is None:
+            return None
+        out.items.extend(segment)
+    out.planner_data = {**plan.mappings, **mappings}
     return out
 
 

@@ -20,20 +20,30 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
 import torch
 
 from unbroken.checkpoint import memory
-from unbroken.checkpoint.arena import Arena, Slot, copy_into, plan_slots
+from unbroken.checkpoint.arena import Arena, Slot, copy_tensors, plan_slots
 
 logger = logging.getLogger(__name__)
 
-Pairs = list[tuple[torch.Tensor, Slot]]
-
 _META_PER_ITEM = 512
 """Bytes of snapshot metadata budgeted per tensor item (its index, slot and digest)."""
+
+
+@dataclass
+class _Region:
+    """One region's part of the current layout."""
+
+    slots: list[Slot]
+    views: list[torch.Tensor]
+    """The arena's bytes of each slot as a tensor (copy destinations)."""
+    held: list[tuple[Any, Slot]] | None = None
+    """(index, slot) of each tensor item, made when first asked for."""
 
 
 class WriterLink(Protocol):
@@ -71,6 +81,8 @@ class Staging:
         """Id of the current layout, as the writer knows it."""
         self._on_arena = on_arena
         self._sig: tuple[Any, ...] | None = None
+        self._indices: list[Any] = []
+        self._regions: dict[int, _Region] = {}
         self._writer_has_arena = False
         self._thread: threading.Thread | None = None
         self._jobs: queue.SimpleQueue[Any] = queue.SimpleQueue()
@@ -89,20 +101,18 @@ class Staging:
     def prepare(self, tensors: list[Any], payload_bytes: int, writer: WriterLink) -> float:
         """Lay out the ring for these resolved items (cached while shapes stay), grow the arena
         if needed, and hand the writer a new layout or arena; returns allocation seconds."""
-        sig = tuple(
-            (i.write_item.index.fqn, tuple(i.write_item.index.offset or ()), i.tensor.dtype,
-             tuple(i.tensor.shape))
-            for i in tensors
-        )  # fmt: skip
+        sig = tuple(i.layout for i in tensors)
         t0 = time.time()
         meta_bytes = payload_bytes + _META_PER_ITEM * (len(tensors) + 8)
         ring = self.ring
         if sig != self._sig or ring is None or meta_bytes > ring.meta_cap:
+            self._regions.clear()  # before the arena may be reallocated: no view of it stays
             specs = [
                 (i.tensor.dtype, tuple(i.tensor.shape), i.tensor.numel() * i.tensor.element_size())
                 for i in tensors
             ]
             self.slots, total = plan_slots(specs)
+            self._indices = [i.write_item.index for i in tensors]
             new_ring = memory.Ring.sized(self.regions, total, meta_bytes, ring)
             pin = any(i.tensor.is_cuda for i in tensors)
             fresh = self.arena.ensure(new_ring.total, pin=pin)
@@ -133,17 +143,62 @@ class Staging:
         region = min(free, key=lambda r: self.sealed.get(r, -1))
         self.sealed.pop(region, None)
         memory.clear(self.arena, ring, region)
-        base = ring.data_base(region)
-        return region, [Slot(base + s.offset, s.nbytes, s.dtype, s.shape) for s in self.slots]
+        return region, self._region(region).slots
+
+    def _region(self, region: int) -> _Region:
+        """``region``'s slots and arena views for the current layout (made once per layout)."""
+        cached = self._regions.get(region)
+        if cached is None:
+            assert self.ring is not None
+            base = self.ring.data_base(region)
+            slots = [Slot(base + s.offset, s.nbytes, s.dtype, s.shape) for s in self.slots]
+            views = [self.arena.view(s) for s in slots]
+            cached = self._regions[region] = _Region(slots, views)
+        return cached
+
+    def split(
+        self, region: int, items: list[Any]
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
+        """The sources and ``region``'s destinations of the resolved tensor ``items``, those to
+        copy now and those to copy in the background (``background``)."""
+        now_src: list[torch.Tensor] = []
+        now_dst: list[torch.Tensor] = []
+        later_src: list[torch.Tensor] = []
+        later_dst: list[torch.Tensor] = []
+        for item, dst in zip(items, self._region(region).views, strict=True):
+            if item.background:
+                later_src.append(item.tensor)
+                later_dst.append(dst)
+            else:
+                now_src.append(item.tensor)
+                now_dst.append(dst)
+        return now_src, now_dst, later_src, later_dst
+
+    def snapshot(self, step: int, region: int, *, world_size: int) -> memory.Snapshot:
+        """The snapshot of ``step`` being staged in ``region``: its tensors' slots (payloads
+        and digests come with ``fill`` and the seal)."""
+        cached = self._region(region)
+        if cached.held is None:
+            cached.held = list(zip(self._indices, cached.slots, strict=True))
+        return memory.Snapshot(
+            step=step,
+            rank=self.rank,
+            world_size=world_size,
+            arena=self.arena,
+            region=region,
+            tensors=cached.held,
+            payloads=[],
+            digests=[],
+        )
 
     def data_base(self, region: int) -> int:
         """Offset of ``region``'s tensor bytes in the arena (what the writer adds)."""
         assert self.ring is not None
         return self.ring.data_base(region)
 
-    def copy_now(self, pairs: Pairs) -> None:
+    def copy_now(self, srcs: list[torch.Tensor], dsts: list[torch.Tensor]) -> None:
         """Copy on the calling thread (what must not change before ``save`` returns)."""
-        copy_into(self.arena, pairs)
+        copy_tensors(srcs, dsts)
 
     def seal_now(self, held: memory.Snapshot) -> None:
         """``held`` is fully copied: seal its region on the calling thread."""
@@ -151,22 +206,25 @@ class Staging:
 
     def copy_later(
         self,
-        pairs: Pairs,
+        srcs: list[torch.Tensor],
+        dsts: list[torch.Tensor],
         *,
         held: memory.Snapshot,
+        payloads: list[Any],
         seal: bool,
         done: Callable[[], None],
         failed: Callable[[Exception], None],
     ) -> None:
-        """Copy ``pairs`` and (with ``seal``) seal ``held``'s region on the stager thread; then
-        ``done()`` runs there (or ``failed(error)`` when either raised)."""
+        """Copy ``srcs`` to ``dsts``, give ``held`` the resolved ``payloads`` items' values
+        (``fill``) and (with ``seal``) seal its region on the stager thread; then ``done()``
+        runs there (or ``failed(error)`` when one of them raised)."""
         if self._thread is None:
             self._thread = threading.Thread(
                 target=self._loop, name=f"unbroken-ckpt-stager-{self.rank}", daemon=True
             )
             self._thread.start()
         self._idle.clear()
-        self._jobs.put((pairs, held, seal, done, failed))
+        self._jobs.put((srcs, dsts, held, payloads, seal, done, failed))
 
     @property
     def copying(self) -> bool:
@@ -181,7 +239,7 @@ class Staging:
         assert self.ring is not None
         held.seq = self.seq
         self.seq += 1
-        memory.seal(held, self.ring)
+        memory.seal(held, self.ring, relative=self.slots)
         self.sealed[held.region] = held.seq
         if self.on_sealed is not None:
             self.on_sealed(self.arena, self.ring, held.region, held.seq)
@@ -191,9 +249,10 @@ class Staging:
             job = self._jobs.get()
             if job is None:
                 return
-            pairs, held, seal, done, failed = job
+            srcs, dsts, held, payloads, seal, done, failed = job
             try:
-                copy_into(self.arena, pairs)
+                copy_tensors(srcs, dsts)
+                fill(held, payloads)
                 if seal:
                     self._seal(held)
                 done()
@@ -233,12 +292,21 @@ class Staging:
             self._thread.join(timeout=30.0)
             self._thread = None
         if keep_for is not None and self.sealed:
+            self._regions.clear()
             memory.keep(keep_for, self.arena)
             self.arena = Arena()
 
     def close(self) -> None:
         """Free the arena (after ``stop``; the writer has unmapped it or is gone)."""
+        self._regions.clear()
         self.arena.close()
+
+
+def fill(held: memory.Snapshot, payloads: list[Any]) -> None:
+    """Make the payloads left for later (``StageItem.finish``) and give ``held`` them all."""
+    for item in payloads:
+        item.finish()
+    held.payloads = [(i.write_item.index, i.payload) for i in payloads if i.payload is not None]
 
 
 def process_memory() -> dict[str, int]:

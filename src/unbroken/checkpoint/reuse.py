@@ -1,0 +1,307 @@
+"""The resolved items of a model and its optimizers, reused from one save to the next.
+
+Resolving a state (``resolve.resolve_for_save``) walks every state dict, flattens it, looks up
+each leaf's write items and balances the replicated ones over the ranks: ~3 ms per save for
+the ``tiny`` reference model, most of a per-step snapshot's blocking time. Between two saves
+of a training loop none of that changes for the model and its optimizers: the same parameter,
+buffer and optimizer-state tensors are updated in place. A ``Plan`` records, once, where each
+of their leaves lives in the live objects (a module's ``_parameters``/``_buffers`` table, an
+optimizer's ``state[param]`` dict or a ``param_groups`` dict) and the items resolved for it;
+a later save checks that every leaf is still the same tensor object with the same storage,
+shape and dtype, and that no module, parameter, buffer, optimizer state or parameter group
+was added, removed or replaced (~0.1 ms), and then reuses the items. Non-tensor leaves (a
+learning rate) are read afresh and re-serialized when they changed. Any check that fails
+makes the caller resolve from scratch and learn a new plan.
+
+Nothing here imports the rest of ``unbroken.checkpoint``; items are opaque to it.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.checkpoint import _version
+from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+from torch.distributed.tensor import DTensor
+
+_MISSING = object()
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (as ``resolve._local``), else the tensor itself."""
+    if isinstance(t, DTensor):
+        local = getattr(t, "_local_tensor", None)
+        return local if isinstance(local, torch.Tensor) else t.to_local()
+    return t
+
+
+_PLAIN = frozenset({int, float, bool, str, bytes, type(None)})
+
+
+def flatten(nested: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """DCP's ``flatten_state_dict`` (mappings walked, a list only when it holds a tensor, a
+    mapping or such a list; other values are leaves), faster on a long list of plain values
+    such as a loss curve: DCP tests each entry in Python (0.35 us each, 0.7 ms for 2000)."""
+    if _version._derived_version == "2_3":  # DCP's older traversal: its own code
+        return flatten_state_dict(dict(nested))
+    flat: dict[str, Any] = {}
+    mappings: dict[str, Any] = {}
+
+    def terminal(value: Any) -> bool:
+        if isinstance(value, Mapping):
+            return False
+        if not isinstance(value, list) or set(map(type, value)) <= _PLAIN:
+            return True
+        for entry in value:
+            if isinstance(entry, (Mapping, list)) and not terminal(entry):
+                return False
+            if isinstance(entry, torch.Tensor):
+                return False
+        return True
+
+    def visit(path: tuple[Any, ...], value: Any) -> None:
+        if isinstance(value, Mapping):
+            for k, v in value.items():
+                visit((*path, str(k)), v)
+        elif terminal(value):
+            fqn = ".".join(map(str, path))
+            if fqn in flat:
+                raise ValueError(f"duplicated flatten key {fqn}")
+            flat[fqn] = value
+            mappings[fqn] = path
+        elif isinstance(value, (list, tuple)):
+            for i, v in enumerate(value):
+                visit((*path, i), v)
+
+    for key, value in nested.items():
+        visit((str(key),), value)
+    return flat, mappings
+
+
+@dataclass
+class Leaf:
+    """One tensor leaf: where it lives (``container[key]``) and what it was."""
+
+    container: Any
+    """A dict (a module's tables, a param group), or ``(optimizer, param)`` for its state."""
+    key: Any
+    obj: torch.Tensor
+    local: torch.Tensor
+    ptr: int
+    shape: torch.Size
+    dtype: torch.dtype
+
+
+@dataclass
+class Value:
+    """One non-tensor leaf, read afresh every save."""
+
+    container: Any
+    key: Any
+    fqn: str
+    position: int
+    """Index of its item in the plan's item list."""
+
+
+@dataclass
+class Plan:
+    """The items of the model and optimizer keys of one state, and how to check them."""
+
+    args: tuple[Any, ...]
+    """(rank, world size, overlap, stage_all, the state's keys and their roles)."""
+    objects: dict[str, Any]
+    """key -> the model or optimizer object it held."""
+    segments: dict[str, list[Any]] = field(default_factory=dict)
+    """key -> its items, in flat order."""
+    mappings: dict[str, Any] = field(default_factory=dict)
+    """The flatten mapping of these keys' leaves."""
+    assigned: list[Any] = field(default_factory=list)
+    optims: list[tuple[Any, ...]] = field(default_factory=list)
+    """Every optimizer: its state, the state's size, its param groups (dict, ids, size)."""
+    states: list[tuple[Any, ...]] = field(default_factory=list)
+    """(an optimizer's state, a parameter, its state dict, the dict's size)."""
+    leaves: list[Leaf] = field(default_factory=list)
+    _where: list[tuple[Any, Any]] = field(default_factory=list)
+    _objs: list[torch.Tensor] = field(default_factory=list)
+    _locals: list[torch.Tensor] = field(default_factory=list)
+    _meta: list[tuple[int, torch.Size, torch.dtype]] = field(default_factory=list)
+    """(storage address, shape, dtype) of every leaf's local tensor."""
+    _dtensors: tuple[list[torch.Tensor], list[torch.Tensor]] = field(
+        default_factory=lambda: ([], [])
+    )
+    _modules: list[nn.Module] = field(default_factory=list)
+    _tables: tuple[list[Any], list[Any]] = field(default_factory=lambda: ([], []))
+    """Every module's ``_parameters`` and ``_buffers``."""
+    _sizes: tuple[list[int], list[int]] = field(default_factory=lambda: ([], []))
+    _children: list[tuple[int, ...]] = field(default_factory=list)
+    values: dict[str, list[Value]] = field(default_factory=dict)
+    """key -> its non-tensor leaves."""
+
+    def check(self, state: Mapping[str, Any], args: tuple[Any, ...]) -> bool:
+        """True when every recorded leaf and structure is unchanged."""
+        if args != self.args:
+            return False
+        for key, obj in self.objects.items():
+            if state[key] is not obj:
+                return False
+        # One pass per property over every module and leaf: ~0.3 us a leaf, ~1.3 us in a loop.
+        mods, tables = self._modules, self._tables
+        if not (
+            all(map(operator.is_, [m._parameters for m in mods], tables[0]))
+            and all(map(operator.is_, [m._buffers for m in mods], tables[1]))
+            and list(map(len, tables[0])) == self._sizes[0]
+            and list(map(len, tables[1])) == self._sizes[1]
+            and [tuple(map(id, m._modules.values())) for m in mods] == self._children
+        ):
+            return False
+        for optim, opt_state, n, groups in self.optims:
+            if optim.state is not opt_state or len(opt_state) != n:
+                return False
+            if len(optim.param_groups) != len(groups):
+                return False
+            for live, (group, ids, size) in zip(optim.param_groups, groups, strict=True):
+                if live is not group or len(group) != size or list(map(id, group["params"])) != ids:
+                    return False
+        states = self.states
+        if not (
+            all(
+                map(operator.is_, [s.get(p) for s, p, _, _ in states], [d for _, _, d, _ in states])
+            )
+            and [len(d) for _, _, d, _ in states] == [n for _, _, _, n in states]
+        ):
+            return False
+        if not all(map(operator.is_, [c.get(k, _MISSING) for c, k in self._where], self._objs)):
+            return False
+        dtensors = self._dtensors
+        if not all(
+            map(
+                operator.is_,
+                [getattr(o, "_local_tensor", None) for o in dtensors[0]],
+                dtensors[1],
+            )
+        ):
+            return False
+        return [(t.data_ptr(), t.shape, t.dtype) for t in self._locals] == self._meta
+
+    def add(self, leaf: Leaf) -> None:
+        """Check ``leaf`` from now on."""
+        self.leaves.append(leaf)
+        self._where.append((leaf.container, leaf.key))
+        self._objs.append(leaf.obj)
+        self._locals.append(leaf.local)
+        self._meta.append((leaf.ptr, leaf.shape, leaf.dtype))
+        if leaf.local is not leaf.obj:
+            self._dtensors[0].append(leaf.obj)
+            self._dtensors[1].append(leaf.local)
+
+    def add_module(self, module: nn.Module) -> None:
+        """Check from now on that ``module``'s parameters, buffers and children stay."""
+        self._modules.append(module)
+        params: dict[str, Any] = module._parameters
+        buffers: dict[str, Any] = module._buffers
+        self._tables[0].append(params)
+        self._tables[1].append(buffers)
+        self._sizes[0].append(len(params))
+        self._sizes[1].append(len(buffers))
+        self._children.append(tuple(map(id, module._modules.values())))
+
+    def items(self, key: str, serialize: Callable[[str, Any], bytes]) -> list[Any] | None:
+        """The items of ``key`` with its non-tensor values read afresh (after ``check``);
+        None when one of them is no longer a plain value."""
+        items = self.segments[key]
+        values = self.values.get(key)
+        if not values:
+            return items
+        items = list(items)
+        for v in values:
+            obj = v.container.get(v.key, _MISSING)
+            if obj is _MISSING or isinstance(obj, torch.Tensor):
+                return None
+            item = items[v.position]
+            payload = serialize(v.fqn, obj)
+            if payload is not item.payload:
+                items[v.position] = type(item)(item.write_item, payload=payload)
+        return items
+
+
+def build(
+    plan: Plan,
+    key: str,
+    flat: Mapping[str, Any],
+    items: list[Any],
+    mappings: Mapping[str, Any],
+    *,
+    model: nn.Module | None = None,
+    model_map: Mapping[str, tuple[dict[str, Any], str]] | None = None,
+    optim: torch.optim.Optimizer | None = None,
+    optim_map: Mapping[int, str] | None = None,
+) -> bool:
+    """Add the segment of ``key`` (a model with its learned ``model_map``, or an optimizer
+    with its ``optim_map``) to ``plan``: ``flat`` holds its leaves, ``items`` what was resolved
+    for them. False when a leaf lies where no plan can find it."""
+    by_param: dict[str, Any] = {}
+    if model is not None:
+        for module in model.modules():
+            plan.add_module(module)
+    if optim is not None:
+        assert optim_map is not None
+        groups = [(g, list(map(id, g["params"])), len(g)) for g in optim.param_groups]
+        plan.optims.append((optim, optim.state, len(optim.state), groups))
+        params = [p for g in optim.param_groups for p in g["params"]]
+        by_param = {fqn: params[i] for i, fqn in optim_map.items()}
+    where: dict[str, tuple[Any, Any]] = {}
+    seen: set[int] = set()
+    for fqn, obj in flat.items():
+        path = mappings[fqn]
+        if model_map is not None and len(path) == 2 and path[1] in model_map:
+            where[fqn] = model_map[path[1]]
+        elif optim is not None and len(path) == 4 and path[1] == "state" and path[2] in by_param:
+            param = by_param[path[2]]
+            container = optim.state.get(param)
+            if container is None:
+                return False
+            if id(container) not in seen:  # one check per parameter, not per state value
+                seen.add(id(container))
+                plan.states.append((optim.state, param, container, len(container)))
+            where[fqn] = (container, path[3])
+        elif optim is not None and len(path) == 4 and path[1] == "param_groups":
+            where[fqn] = (optim.param_groups[path[2]], path[3])
+        else:
+            return False
+        if isinstance(obj, torch.Tensor):
+            found = leaf(*where[fqn])
+            if found is None or found.ptr != _local(obj).data_ptr():
+                return False
+            plan.add(found)
+            where[fqn] = (found, None)
+    values: list[Value] = []
+    segment = []
+    for position, item in enumerate(items):
+        fqn = item.write_item.index.fqn
+        container, name = where[fqn]
+        if item.tensor is not None:
+            local = container.local
+            item = type(item)(
+                item.write_item, tensor=local, background=item.background, persist=item.persist
+            )
+        elif name != "params":  # a group's params are fixed while the checks hold
+            values.append(Value(container, name, fqn, position))
+        segment.append(item)
+    plan.segments[key] = segment
+    plan.values[key] = values
+    plan.mappings.update({fqn: mappings[fqn] for fqn in flat})
+    return True
+
+
+def leaf(container: Any, key: Any) -> Leaf | None:
+    """A ``Leaf`` for the tensor at ``container[key]``, or None when it is no tensor."""
+    obj = container.get(key, _MISSING)
+    if not isinstance(obj, torch.Tensor):
+        return None
+    local = _local(obj)
+    return Leaf(container, key, obj, local, local.data_ptr(), local.shape, local.dtype)
