@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
+from toy import mlp, train_step
 from unbroken.checkpoint import Checkpointer, CheckpointError, PerRank, layout
 from unbroken.checkpoint import staging as staging_mod
 from unbroken.faults import throttle
@@ -35,15 +36,7 @@ class Cursor:
 
 
 def _model(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
-    torch.manual_seed(seed)
-    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4))
-    return model, torch.optim.AdamW(model.parameters(), lr=0.05)
-
-
-def _train_step(model: torch.nn.Module, optim: torch.optim.Optimizer) -> None:
-    model(torch.randn(8, 32)).pow(2).sum().backward()
-    optim.step()
-    optim.zero_grad(set_to_none=True)
+    return mlp(seed, inputs=32, hidden=64)
 
 
 def _snapshot(model: torch.nn.Module, optim: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
@@ -75,13 +68,13 @@ def test_a_checkpoint_holds_the_values_at_save_time(
     model, optim = _model(0)
     cursor, extra = Cursor(), torch.arange(6.0)
     state = {"model": model, "optim": optim, "data": cursor, "extra": extra}
-    _train_step(model, optim)
+    train_step(model, optim)
     with Checkpointer(tmp_path / "ckpt", ledger=led, overlap=overlap) as ck:
         cursor.position = 40
         expected = _snapshot(model, optim)
         assert ck.save(7, state)
         # Training goes on at once: every value changes right after save returns.
-        _train_step(model, optim)
+        train_step(model, optim)
         extra.add_(100.0)
         cursor.position = 41
         assert not _same(_snapshot(model, optim), expected)
@@ -241,16 +234,16 @@ def test_the_resolve_cache_gives_what_dcp_gives_and_relearns(tmp_path: Path) -> 
         ]  # fmt: skip
 
     model, optim = _model(0)
-    _train_step(model, optim)
+    train_step(model, optim)
     state: dict[str, Any] = {"model": model, "optim": optim}
     cache = ResolveCache()
     for _ in range(3):  # learn, then the fast path twice
         assert items(state, cache) == items(state, None)
-        _train_step(model, optim)
+        train_step(model, optim)
     optim.param_groups[0]["lr"] = 0.01  # a changed value is serialized afresh
     assert items(state, cache) == items(state, None)
     state["optim"] = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    _train_step(model, state["optim"])  # a new optimizer object: relearned
+    train_step(model, state["optim"])  # a new optimizer object: relearned
     assert items(state, cache) == items(state, None)
     assert items(state, cache) == items(state, None)
 
@@ -258,13 +251,13 @@ def test_the_resolve_cache_gives_what_dcp_gives_and_relearns(tmp_path: Path) -> 
 @pytest.mark.parametrize("start", ["fork", "spawn"])
 def test_either_writer_start_saves_and_restores(tmp_path: Path, start: str) -> None:
     model, optim = _model(0)
-    _train_step(model, optim)
+    train_step(model, optim)
     with Checkpointer(tmp_path / "ckpt", writer_start=start) as ck:
         ck.save(3, {"model": model, "optim": optim})
         ck.wait()
     want = _snapshot(model, optim)
     model2, optim2 = _model(1)
-    _train_step(model2, optim2)
+    train_step(model2, optim2)
     with Checkpointer(tmp_path / "ckpt", eager_writer=False) as ck:
         assert ck.restore({"model": model2, "optim": optim2}) == 3
     assert _same(_snapshot(model2, optim2), want)
@@ -327,11 +320,11 @@ def test_after_an_abort_the_next_checkpointer_restores_from_memory(tmp_path: Pat
     model, optim = _model(0)
     cursor = Cursor()
     ck = Checkpointer(tmp_path / "ckpt", ledger=led, throttle_mbps=0.05)  # never durable
-    _train_step(model, optim)
+    train_step(model, optim)
     cursor.position = 11
     ck.save(4, {"model": model, "optim": optim, "data": cursor})
     expected = _snapshot(model, optim)
-    _train_step(model, optim)  # the failed iteration went on, then failed
+    train_step(model, optim)  # the failed iteration went on, then failed
     cursor.position = 99
     ck.abort()
     assert layout.committed_steps(tmp_path / "ckpt") == []  # nothing on disk to restore
@@ -341,7 +334,7 @@ def test_after_an_abort_the_next_checkpointer_restores_from_memory(tmp_path: Pat
     with Checkpointer(tmp_path / "ckpt", ledger=led) as ck2:
         assert ck2.restore({"model": model2, "optim": optim2, "data": cursor2}) == 4
         assert _same(_snapshot(model2, optim2), expected) and cursor2.position == 11
-        _train_step(model2, optim2)
+        train_step(model2, optim2)
         ck2.save(5, {"model": model2, "optim": optim2, "data": cursor2})  # the arena, reused
     led.close()
     assert layout.committed_steps(tmp_path / "ckpt") == [5]

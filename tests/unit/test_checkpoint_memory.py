@@ -13,6 +13,7 @@ import pytest
 import torch
 from torch.distributed.checkpoint.metadata import MetadataIndex
 
+from toy import mlp, train_step
 from unbroken.checkpoint import CheckpointConfig, Checkpointer, keeper, layout, memory
 from unbroken.checkpoint.arena import Arena, Slot, copy_into, plan_slots
 from unbroken.checkpoint.staging import Staging
@@ -136,34 +137,22 @@ def test_a_memfd_from_the_keeper_maps_the_same_pages() -> None:
         kept.close()
 
 
-def _model(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
-    torch.manual_seed(seed)
-    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
-    return model, torch.optim.AdamW(model.parameters(), lr=0.05)
-
-
-def _step(model: torch.nn.Module, optim: torch.optim.Optimizer) -> None:
-    model(torch.randn(8, 16)).pow(2).sum().backward()
-    optim.step()
-    optim.zero_grad(set_to_none=True)
-
-
 def test_snapshots_every_step_persist_every_third_and_restore_the_last(tmp_path: Path) -> None:
     """Snapshot often, persist rarely: steps 0-4 are all staged, only step 2 reaches disk; the
     next Checkpointer after an abort restores step 4 from memory, bit for bit."""
     led = Ledger(tmp_path, run="t", rank=0)
-    model, optim = _model(0)
+    model, optim = mlp(0)
     state = {"model": model, "optim": optim}
     ck = Checkpointer(tmp_path / "ckpt", ledger=led, every_steps=3, snapshot_every=1, overlap=True)
     for step in range(5):
-        _step(model, optim)
+        train_step(model, optim)
         assert ck.maybe_save(step, state)
     ck.wait()  # step 2 committed
     ck.wait_staged()
     want = {k: v.clone() for k, v in model.state_dict().items()}
     ck.abort()
     assert layout.committed_steps(tmp_path / "ckpt") == [2]
-    model2, optim2 = _model(1)
+    model2, optim2 = mlp(1)
     with Checkpointer(tmp_path / "ckpt", ledger=led) as ck2:
         assert ck2.restore({"model": model2, "optim": optim2}) == 4
     assert all(torch.equal(v, want[k]) for k, v in model2.state_dict().items())

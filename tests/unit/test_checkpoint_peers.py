@@ -17,24 +17,13 @@ import pytest
 import torch
 from torch.distributed.checkpoint.metadata import MetadataIndex
 
+from toy import mlp, train_step
 from unbroken.checkpoint import CheckpointConfig, Checkpointer, keeper, layout, memory, peers
 from unbroken.checkpoint.arena import Arena, Slot, copy_into
 from unbroken.launcher.keeper import MemoryKeeper
 from unbroken.ledger import Ledger, read_events
 
 pytestmark = pytest.mark.timeout(60)
-
-
-def _model(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
-    torch.manual_seed(seed)
-    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
-    return model, torch.optim.AdamW(model.parameters(), lr=0.05)
-
-
-def _step(model: torch.nn.Module, optim: torch.optim.Optimizer) -> None:
-    model(torch.randn(8, 16)).pow(2).sum().backward()
-    optim.step()
-    optim.zero_grad(set_to_none=True)
 
 
 @pytest.fixture
@@ -54,13 +43,13 @@ def _train_on_node0(
 ) -> dict[str, torch.Tensor]:
     """Steps 0..steps-1 snapshotted every step (durable every 3); returns the final weights.
     The Checkpointer is closed after its replicator sent the last snapshot."""
-    model, optim = _model(0)
+    model, optim = mlp(0)
     state = {"model": model, "optim": optim}
     ck = Checkpointer(
         root, ledger=led, every_steps=3, snapshot_every=1, peers=_addrs(services), peer_index=0
     )
     for step in range(steps):
-        _step(model, optim)
+        train_step(model, optim)
         ck.maybe_save(step, state)
         ck.wait_staged()
         assert ck._replica is not None and ck._replica.idle(10.0)
@@ -76,7 +65,7 @@ def test_the_next_node_holds_the_two_newest_and_a_fresh_process_restores_the_new
     assert nodes[1].held() == {key: [4, 3]}  # node 0 -> node 1, never to itself
     assert nodes[0].held() == {}
     led = Ledger(tmp_path, run="t", rank=0)
-    model2, optim2 = _model(1)
+    model2, optim2 = mlp(1)
     with Checkpointer(tmp_path / "ckpt", ledger=led, peers=_addrs(nodes), peer_index=1) as ck:
         assert ck.restore({"model": model2, "optim": optim2}) == 4  # disk has only step 2
     led.close()
@@ -100,11 +89,11 @@ def test_a_damaged_replica_falls_back_to_the_older_one_then_to_disk(
     _train_on_node0(root, nodes, steps=5)
     key = f"{root.resolve()}#rank0"
     _damage(nodes[1], key, 4)
-    model2, optim2 = _model(1)
+    model2, optim2 = mlp(1)
     with Checkpointer(root, peers=_addrs(nodes), peer_index=1) as ck:
         assert ck.restore({"model": model2, "optim": optim2}) == 3
     _damage(nodes[1], key, 3)
-    model3, optim3 = _model(1)
+    model3, optim3 = mlp(1)
     with Checkpointer(root, peers=_addrs(nodes), peer_index=1) as ck:
         assert ck.restore({"model": model3, "optim": optim3}) == 2  # the committed one
     assert layout.committed_steps(root) == [2]
@@ -167,11 +156,11 @@ def test_a_nodes_keeper_arenas_are_served_to_the_others(tmp_path: Path) -> None:
     other = peers.PeerService(host="127.0.0.1", bind="127.0.0.1")
     root = tmp_path / "ckpt"
     try:
-        model, optim = _model(0)
+        model, optim = mlp(0)
         state = {"model": model, "optim": optim}
         ck = Checkpointer(root, snapshot_every=1, memory_keeper=kept.addr)
         for step in range(3):
-            _step(model, optim)
+            train_step(model, optim)
             ck.maybe_save(step, state)
         ck.wait_staged()
         want = {k: v.clone() for k, v in model.state_dict().items()}
@@ -181,7 +170,7 @@ def test_a_nodes_keeper_arenas_are_served_to_the_others(tmp_path: Path) -> None:
         assert arena is not None and where == f"keeper of 127.0.0.1:{service.peer.port}"
         assert [s.step for s in memory.read(arena)[1]] == [2, 1, 0]
         arena.close()
-        model2, optim2 = _model(1)
+        model2, optim2 = mlp(1)
         with Checkpointer(root, peers=(str(service.peer), str(other.peer)), peer_index=1) as ck2:
             assert ck2.restore({"model": model2, "optim": optim2}) == 2
         assert all(torch.equal(v, want[k]) for k, v in model2.state_dict().items())

@@ -326,13 +326,14 @@ def run_node_loss(run: NodeLoss, workdir: Path) -> NodeLossResult:
     if final.exists():
         res.final_state_sha256 = json.loads(final.read_text())["final_state_sha256"]
     try:
-        report = goodput.compute(read_events(run_dir))
+        events = read_events(run_dir)
+        report = goodput.compute(events)
         res.figures = report.to_dict()
         if report.faults:
             res.recovery_s = report.faults[0].recovery_s
             res.steps_lost = report.faults[0].steps_lost
         if res.lost_ts is not None:
-            for e in read_events(run_dir):
+            for e in events:
                 if e.kind == "ckpt_load" and e.ts > res.lost_ts:
                     tier = str(e.get("tier"))
                     res.tiers[tier] = res.tiers.get(tier, 0) + 1

@@ -109,10 +109,15 @@ class Arena:
         raw = self._bytes[slot.offset : slot.offset + slot.nbytes]
         return raw.view(slot.dtype).view(slot.shape)
 
+    def _mapped(self) -> mmap.mmap:
+        if self._mm is None:
+            raise ValueError("the staging arena is closed")
+        return self._mm
+
     def read(self, offset: int, nbytes: int) -> bytes:
-        """A copy of ``nbytes`` of the arena at ``offset``."""
-        assert self._mm is not None
-        return self._mm[offset : offset + nbytes]
+        """A copy of ``nbytes`` of the arena at ``offset``; ValueError once it is closed (a
+        reader on another thread, the replicator, may outlive it)."""
+        return self._mapped()[offset : offset + nbytes]
 
     def write(self, offset: int, data: bytes) -> None:
         """Write ``data`` into the arena at ``offset``."""
@@ -121,9 +126,8 @@ class Arena:
 
     def window(self, offset: int, nbytes: int) -> memoryview:
         """The arena's bytes at ``offset``, writable, without a copy (for socket I/O); release
-        it before the arena is closed."""
-        assert self._mm is not None
-        return memoryview(self._mm)[offset : offset + nbytes]
+        it before the arena is closed. ValueError once it is closed."""
+        return memoryview(self._mapped())[offset : offset + nbytes]
 
     def digest(self, offset: int, nbytes: int) -> int:
         """xxh3-64 of ``nbytes`` at ``offset`` (the GIL is released while it hashes)."""

@@ -15,6 +15,15 @@ ON_BUSY: tuple[OnBusy, ...] = get_args(OnBusy)
 WRITER_STARTS: tuple[WriterStart, ...] = get_args(WriterStart)
 
 
+def split_peer(text: str) -> tuple[str, int, str]:
+    """(host, port, token) of a peer service address ``host:port#token``; ValueError else."""
+    host, _, rest = text.rpartition(":")
+    port, _, token = rest.partition("#")
+    if not host or not port.isdigit() or not token:
+        raise ValueError(f"a peer is host:port#token, got {text!r}")
+    return host.strip("[]"), int(port), token
+
+
 class CheckpointError(UnbrokenError):
     """A save or restore failed: the writer died, storage stalled, or a checkpoint is unusable."""
 
@@ -127,10 +136,7 @@ class CheckpointConfig:
                 f"got {self.peer_index}"
             )
         for peer in self.peers:
-            host, _, rest = peer.rpartition(":")
-            port, _, token = rest.partition("#")
-            if not host or not port.isdigit() or not token:
-                raise ValueError(f"peers entries must be host:port#token, got {peer!r}")
+            split_peer(peer)
         if self.throttle_mbps < 0:
             raise ValueError(f"throttle_mbps must be >= 0 (0: no cap), got {self.throttle_mbps}")
 

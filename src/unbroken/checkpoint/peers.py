@@ -45,6 +45,7 @@ from typing import Any
 
 from unbroken.checkpoint import memory
 from unbroken.checkpoint.arena import Arena
+from unbroken.checkpoint.config import split_peer
 
 logger = logging.getLogger(__name__)
 
@@ -64,11 +65,7 @@ class Peer:
 
     @classmethod
     def parse(cls, text: str) -> Peer:
-        host, _, rest = text.rpartition(":")
-        port, _, token = rest.partition("#")
-        if not host or not port.isdigit() or not token:
-            raise ValueError(f"a peer is host:port#token, got {text!r}")
-        return cls(host.strip("[]"), int(port), token)
+        return cls(*split_peer(text))
 
     def __str__(self) -> str:
         return f"{self.host}:{self.port}#{self.token}"
@@ -360,7 +357,7 @@ class Replicator:
             assert job is not None
             try:
                 self._send(*job)
-            except (OSError, ValueError, AssertionError) as e:
+            except (OSError, ValueError) as e:
                 if not self._warned:
                     logger.warning("replica to %s:%d failed: %s", self.peer.host, self.peer.port, e)
                     self._warned = True

@@ -55,7 +55,9 @@ class WriterLink(Protocol):
 class Staging:
     """One Checkpointer's staging arena of ``regions`` regions; ``arena`` may be an adopted
     one (memory tier), whose sealed regions stay while the layout fits. ``on_arena(fd)`` is
-    called with every newly allocated arena (the node agent's keeper holds it)."""
+    called with every newly allocated arena (the node agent's keeper holds it);
+    ``on_sealed(arena, ring, region, seq)`` as each snapshot is sealed, on the sealing thread,
+    without blocking (the peer replicator)."""
 
     def __init__(
         self,
@@ -64,6 +66,7 @@ class Staging:
         regions: int = 1,
         arena: Arena | None = None,
         on_arena: Callable[[int], None] | None = None,
+        on_sealed: Callable[[Arena, memory.Ring, int, int], None] | None = None,
     ) -> None:
         self.rank = rank
         self.regions = regions
@@ -89,9 +92,7 @@ class Staging:
         self._idle = threading.Event()
         self._idle.set()
         self._hooked: dict[int, Any] = {}
-        self.on_sealed: Callable[[Arena, memory.Ring, int, int], None] | None = None
-        """Called with (arena, ring, region, sequence number) as each snapshot is sealed (on
-        the sealing thread; it must not block): the peer replicator."""
+        self._on_sealed = on_sealed
 
     @property
     def size(self) -> int:
@@ -241,8 +242,8 @@ class Staging:
         self.seq += 1
         memory.seal(held, self.ring, relative=self.slots)
         self.sealed[held.region] = held.seq
-        if self.on_sealed is not None:
-            self.on_sealed(self.arena, self.ring, held.region, held.seq)
+        if self._on_sealed is not None:
+            self._on_sealed(self.arena, self.ring, held.region, held.seq)
 
     def _loop(self) -> None:
         while True:

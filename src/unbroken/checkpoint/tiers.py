@@ -63,18 +63,18 @@ def staging_for(
     and, in a multi-node job, the replicator that sends each sealed snapshot to the next
     node's service."""
     arena, origin = adopt(root, config, rank=rank)
+    replicator = None
+    if config.memory_tier and len(config.peers) >= 2:
+        buddy = config.peers[(config.peer_index + 1) % len(config.peers)]
+        replicator = peers.Replicator(peers.Peer.parse(buddy), _key(root, rank))
     addr = config.memory_keeper
     staging = Staging(
         rank=rank,
         regions=config.regions,
         arena=arena,
         on_arena=functools.partial(hand_over, addr, root, rank) if addr else None,
+        on_sealed=replicator.offer if replicator else None,
     )
-    replicator = None
-    if config.memory_tier and len(config.peers) >= 2:
-        buddy = config.peers[(config.peer_index + 1) % len(config.peers)]
-        replicator = peers.Replicator(peers.Peer.parse(buddy), _key(root, rank))
-        staging.on_sealed = replicator.offer
     return staging, origin, replicator
 
 

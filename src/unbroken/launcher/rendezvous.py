@@ -264,19 +264,7 @@ class C10dRendezvous:
         rstore.set(f"unbroken/nproc/{group_rank}", str(self.spec.nproc_per_node))
         rstore.set(f"unbroken/peer/{group_rank}", str(self.peers.peer) if self.peers else "")
         if group_rank == 0:
-            round_id = int(self.job_store.add(f"unbroken/{self.spec.rdzv_id}/round", 1)) - 1
-            self._worker_store = listen.listening_store(
-                self._dist,
-                self.node_addr,
-                0,
-                bind=listen.bind_address(self.node_addr, single_node=self.spec.max_nodes == 1),
-                timeout=timeout,
-            )
-            published: dict[str, Any] = {
-                "round": round_id,
-                "master_addr": self.node_addr,
-                "master_port": int(self._worker_store.port),
-            }
+            published: dict[str, Any] = self._open_round()
             rstore.set("unbroken/round", json.dumps(published))
         else:
             published = json.loads(rstore.get("unbroken/round"))
@@ -306,25 +294,34 @@ class C10dRendezvous:
         """A later round of a single-node job: no other node can join (``--nnodes 1``), so
         torch's rendezvous round (tens of milliseconds of store traffic on every restart) is
         skipped; the round id and a fresh worker store are made as for any round."""
-        timeout = timedelta(seconds=self.timeout_s)
-        round_id = int(self.job_store.add(f"unbroken/{self.spec.rdzv_id}/round", 1)) - 1
-        self._worker_store = listen.listening_store(
-            self._dist,
-            self.node_addr,
-            0,
-            bind=listen.bind_address(self.node_addr, single_node=True),
-            timeout=timeout,
-        )
+        published = self._open_round()
         return RoundInfo(
-            round=round_id,
+            round=published["round"],
             group_rank=0,
             group_world_size=1,
             rank_offset=0,
             world_size=self.spec.nproc_per_node,
             master_addr=self.node_addr,
-            master_port=int(self._worker_store.port),
+            master_port=published["master_port"],
             store_addr=self.store_addr,
         )
+
+    def _open_round(self) -> dict[str, Any]:
+        """What group rank 0 does for every round: draw the next round id and start the
+        round's fresh worker store; returns what the other nodes are told of them."""
+        round_id = int(self.job_store.add(f"unbroken/{self.spec.rdzv_id}/round", 1)) - 1
+        self._worker_store = listen.listening_store(
+            self._dist,
+            self.node_addr,
+            0,
+            bind=listen.bind_address(self.node_addr, single_node=self.spec.max_nodes == 1),
+            timeout=timedelta(seconds=self.timeout_s),
+        )
+        return {
+            "round": round_id,
+            "master_addr": self.node_addr,
+            "master_port": int(self._worker_store.port),
+        }
 
     def _state(self) -> Any:
         # torch has no public query for "a node of my round left"; read the handler's synced
