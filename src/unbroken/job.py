@@ -8,6 +8,9 @@ that a script adopts unbroken in a few lines and its report has every figure:
   run (torchrun ``--standalone``), ``runs/<run id>``; else none. It records the process's
   start-up, launcher restarts and the job's end, and it is the *active* ledger while ``fn``
   runs: a ``Checkpointer`` created in ``fn`` records into it without being handed it;
+- under ``unbroken-run``, that Checkpointer also gets the node agent's memory keeper and, in a
+  multi-node job, the peers (``unbroken.checkpoint.node``): a SIGKILLed rank's successor
+  restores from the snapshots the agent held, a lost node's ranks from another node's memory;
 - every ``ctx.step_done`` also sends the launcher heartbeat (``unbroken.heartbeat``) with the
   newest step an open Checkpointer saw committed, for the launcher's hang and no-progress
   guards;
@@ -38,6 +41,7 @@ from pathlib import Path
 from typing import Any, NoReturn, TypeVar
 
 from unbroken import restart
+from unbroken.checkpoint import node
 from unbroken.checkpoint.checkpointer import Checkpointer, open_checkpointers
 from unbroken.env import WorkerEnv
 from unbroken.errors import EXIT_CONFIG, ConfigError
@@ -66,6 +70,15 @@ def run_dir_for(env: WorkerEnv, script: str = "") -> Path | None:
     return None
 
 
+def _node_tiers(env: WorkerEnv) -> node.NodeTiers:
+    """What ``unbroken-run`` handed this worker of its node's memory tiers."""
+    return node.NodeTiers(
+        memory_keeper=env.memory_keeper or "",
+        peers=env.peers,
+        peer_index=env.group_rank if env.peers else -1,
+    )
+
+
 def run(fn: Callable[[RestartContext], T], *, config: RestartConfig | None = None) -> T:
     """Call ``fn(ctx)`` on every rank until it returns everywhere, restarting it in-process
     after a fault; returns its value. See ``unbroken.restart.run`` for the contract of ``fn``
@@ -90,7 +103,7 @@ def run(fn: Callable[[RestartContext], T], *, config: RestartConfig | None = Non
             injector = _injector(env, ledger)
         except (ValueError, FileNotFoundError) as e:
             raise ConfigError(str(e)) from e
-        with activate(NULL if ledger is None else ledger):
+        with activate(NULL if ledger is None else ledger), node.provide(_node_tiers(env)):
             value = restart.run(_with_hooks(fn, injector), config=config, ledger=ledger, env=env)
     except (Escalated, RankExcluded, ConfigError, KeyboardInterrupt, SystemExit):
         if ledger is not None:

@@ -25,7 +25,8 @@ EXAMPLES = ROOT / "examples"
 SHIM = ROOT / "tests" / "workers_launcher" / "optim_faults.py"
 STEPS = 40
 # An exception (in-process restart; the step-9 snapshot is still in memory), then a SIGKILL
-# (the launcher restarts both workers; they resume from the newest committed checkpoint).
+# (the launcher restarts both workers; they resume from the step-29 snapshot the node agent's
+# keeper held: the script never named the keeper).
 PLAN = """faults:
   - {step: 15, rank: 0, kind: exception}
   - {step: 32, rank: 1, kind: sigkill}
@@ -80,6 +81,8 @@ def test_adopted_example_recovers_bit_exact(
     assert all(f.injected and f.recovery_s is not None for f in rep.faults)
     assert faults["exception"].layer == "inprocess"
     assert faults["exception"].restore_tier == "memory"  # the failed iteration's snapshot
+    assert faults["sigkill"].restore_tier == "memory"  # the agent's keeper held it
+    assert faults["sigkill"].layer == "launcher" and faults["sigkill"].restored_step == 29
     # The Checkpointer recorded into the active ledger without being handed it.
     assert rep.checkpoint_save_s > 0 and rep.checkpoint_efficiency is not None
     assert rep.checkpoint_efficiency < 1.0

@@ -6,7 +6,8 @@ and the copy into it (``arena``, ``staging``), the save in flight and its persis
 writer process (``inflight``, ``writer``, ``client``, ``protocol``), the hooks fault injection
 and tests hand that process (``hooks``), the on-disk layout, commit protocol and retention
 (``layout``, ``commit``), restore and the memory tier (``restore``, ``memory``, ``tiers``, and
-``keeper``: the worker's side of the node agent's hold on its arena).
+``keeper``: the worker's side of the node agent's hold on its arena; ``node``: the keeper and
+peers ``unbroken.run`` offers to a Checkpointer).
 ``Checkpointer`` (``checkpointer``) ties them together.
 
 Imports torch. Names are loaded lazily so that the writer process (``python -m

@@ -46,7 +46,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from unbroken.checkpoint import layout, tiers
+from unbroken.checkpoint import layout, node, tiers
 from unbroken.checkpoint.config import CheckpointConfig, CheckpointError
 from unbroken.checkpoint.hooks import WriterHooks
 from unbroken.checkpoint.inflight import CheckpointStats, Inflight
@@ -96,7 +96,9 @@ class Checkpointer:
     that owns the directory and writes its checkpoints (None: the ledger's run; without one,
     a single process is its own job and the ranks of a process group share an unnamed one,
     whose checkpoints any run may restore). ``ledger`` records every save and load
-    (None: the active ledger of ``unbroken.run``, else nothing); ``hooks`` go to the writer process (fault injection and
+    (None: the active ledger of ``unbroken.run``, else nothing). Without ``config``, the memory
+    keeper and peers that ``unbroken.run`` offers under ``unbroken-run`` are filled in unless
+    given (``node``). ``hooks`` go to the writer process (fault injection and
     tests, see ``unbroken.checkpoint.hooks``; None: none). Use as a context manager or call
     ``close()``.
     """
@@ -111,6 +113,8 @@ class Checkpointer:
         run: str | None = None,
         **fields: Any,
     ) -> None:
+        if config is None:  # the node's memory keeper and peers, under ``unbroken.run``
+            fields = {**node.current().fields(fields), **fields}
         self.config = dataclasses.replace(config or CheckpointConfig(), **fields)
         self.root = Path(directory).resolve()
         self.rank, self.world_size = _world()

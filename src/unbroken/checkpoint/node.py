@@ -1,0 +1,59 @@
+"""What the node a process runs on offers a Checkpointer: the agent's memory keeper, the peers.
+
+``unbroken-run`` hands its workers the address of the node agent's memory keeper and, in a
+multi-node job, every node's peer memory service (``unbroken.env.WorkerEnv``). ``unbroken.run``
+provides them here (``provide``) while the training function runs, so that a user's own
+``Checkpointer(dir, every_steps=...)`` gets the memory tiers that survive its process and its
+node without naming them, as it gets the active ledger. A Checkpointer built with an explicit
+``config`` gets exactly that config; fields passed as keywords win over what the node offers.
+Outside ``unbroken.run`` (or under another launcher) the node offers nothing. One per process;
+set from the main thread.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True, kw_only=True)
+class NodeTiers:
+    """The node's memory tiers, as ``CheckpointConfig`` fields."""
+
+    memory_keeper: str = ""
+    """The node agent's memory keeper ("": none; see ``CheckpointConfig.memory_keeper``)."""
+    peers: tuple[str, ...] = ()
+    """Every node's peer memory service, in node order (see ``CheckpointConfig.peers``)."""
+    peer_index: int = -1
+    """This node's position in ``peers``."""
+
+    def fields(self, given: Mapping[str, Any]) -> dict[str, Any]:
+        """The config fields the node fills in, leaving those in ``given`` alone. The peers
+        and their index go together: naming either keeps both out."""
+        out: dict[str, Any] = {}
+        if self.memory_keeper and "memory_keeper" not in given:
+            out["memory_keeper"] = self.memory_keeper
+        if self.peers and not {"peers", "peer_index"} & set(given):
+            out["peers"], out["peer_index"] = self.peers, self.peer_index
+        return out
+
+
+_current = NodeTiers()
+
+
+def current() -> NodeTiers:
+    """What this process's node offers (nothing outside ``unbroken.run``)."""
+    return _current
+
+
+@contextmanager
+def provide(tiers: NodeTiers) -> Iterator[None]:
+    """Offer ``tiers`` to the Checkpointers built in the enclosed block (nests)."""
+    global _current
+    previous, _current = _current, tiers
+    try:
+        yield
+    finally:
+        _current = previous
