@@ -14,7 +14,9 @@ the same ledger code (``unbroken.ledger.goodput``). Configurations:
   delay, only when a ``node-loss`` fault took the whole node.
 
 Correctness column: a configuration that recovers must end with the clean run's
-``final_state_sha256``.
+``final_state_sha256``. The gap to the clean run's goodput splits into ``faults`` (what they
+cost: ``FAULT_BADPUT``) and ``ckpt`` (saves' and snapshots' blocking: the price of being
+ready), shares of the wall time, beside the median step (where background work shows).
 """
 
 from __future__ import annotations
@@ -268,6 +270,9 @@ class ConfigResult:
             "detection_s": [x["detection_s"] for x in f.get("faults", [])],
             "wall_s": f.get("wall_s"),
             "checkpoint_efficiency": f.get("checkpoint_efficiency"),
+            "fault_cost": _share(f, FAULT_BADPUT),
+            "checkpoint_cost": _share(f, ("checkpoint_save",)),
+            "step_time_s_median": f.get("step_time_s_median"),
             "ettr": f.get("ettr"),
             "final_state_sha256": self.final_state_sha256,
             "matches_clean": self.matches_clean,
@@ -354,8 +359,23 @@ def run_bench(a: argparse.Namespace) -> list[ConfigResult]:
     return results
 
 
+# What the faults themselves cost: noticing, bringing the job back, restoring, steps redone.
+FAULT_BADPUT = ("detection", "recovery", "checkpoint_load", "reexecuted")
+
+
+def _share(figures: dict[str, Any], categories: tuple[str, ...]) -> float | None:
+    badput, wall = figures.get("badput_s"), figures.get("wall_s")
+    if not badput or not wall:
+        return None
+    return sum(float(badput.get(c, 0.0)) for c in categories) / float(wall)
+
+
 def _pct(x: float | None) -> str:
     return "–" if x is None else f"{100 * x:.1f}%"
+
+
+def _ms(x: float | None) -> str:
+    return "–" if x is None else f"{1000 * x:.1f}"
 
 
 def _num(xs: list[Any]) -> str:
@@ -370,8 +390,8 @@ def format_table(results: list[ConfigResult]) -> str:
     head = (
         f"{'config':<{w}} {'train goodput':>13} {'infra goodput':>13} {'avail':>6} "
         f"{'recovery s p50/max':>19} "
-        f"{'steps lost':>12} {'detect s p50':>12} {'ckpt eff':>9} {'ETTR':>7} {'wall s':>8} "
-        f"{'= clean':>8}"
+        f"{'steps lost':>12} {'detect s p50':>12} {'ckpt eff':>9} {'faults':>7} {'ckpt':>6} "
+        f"{'step ms':>8} {'ETTR':>7} {'wall s':>8} {'= clean':>8}"
     )
     lines = [head, "-" * len(head)]
     for r in results:
@@ -382,7 +402,9 @@ def format_table(results: list[ConfigResult]) -> str:
             f"{r.config:<{w}} {_pct(row['training_goodput']):>13} {_pct(row['infra_goodput']):>13} "
             f"{_pct(row['availability']):>6} {_num(row['recovery_s']):>19} {(str(sum(lost)) if lost else '–'):>12} "
             f"{(f'{statistics.median(det):.3f}' if det else '–'):>12} "
-            f"{_pct(row['checkpoint_efficiency']):>9} {_pct(row['ettr']):>7} "
+            f"{_pct(row['checkpoint_efficiency']):>9} {_pct(row['fault_cost']):>7} "
+            f"{_pct(row['checkpoint_cost']):>6} {_ms(row['step_time_s_median']):>8} "
+            f"{_pct(row['ettr']):>7} "
             f"{(row['wall_s'] or 0):>8.1f} {('yes' if r.matches_clean else 'NO'):>8}"
         )
     return "\n".join(lines)
