@@ -200,3 +200,29 @@ def test_cold_starts_recover_bit_exact(reference: str, tmp_path: Path) -> None:
     res = run(cmd, timeout_s=TIMEOUT_S)
     assert res.returncode == 0, res.output[-3000:]
     assert res.hashes() == [reference, reference]
+
+
+def test_a_hang_in_native_code_is_the_launchers_to_recover(
+    reference: str, tmp_path: Path
+) -> None:
+    """In-process restart on: rank 1 blocks inside one native call, where no interrupt reaches
+    it; its watchdog gives up at the hard timeout and the launcher restarts the workers. The
+    ledger names the launcher as the layer that recovered it, not the in-process detection."""
+    plan = _plan(tmp_path, "{step: 5, rank: 1, kind: hang-native}")
+    extra = ["--batch-size", "4", "--faults", str(plan)]
+    extra += ["--soft-timeout-s", "0.3", "--hard-timeout-s", "1.0"]
+    cmd = unbroken_run_cmd(
+        tmp_path,
+        nproc=2,
+        steps=STEPS,
+        extra=extra,
+        launcher_args=["--max-restarts", "1", "--ft-steady-timeout-s", "5"],
+    )
+    res = run(cmd, timeout_s=TIMEOUT_S)
+    assert res.returncode == 0, res.output[-3000:]
+    assert res.hashes() == [reference, reference]
+    events = read_events(tmp_path)
+    assert {e.attempt for e in events if e.rank >= 0} == {0, 1}
+    (fault,) = goodput.compute(events).faults
+    assert fault.kind == "hang-native" and fault.layer == "launcher", fault
+    assert fault.recovery_s is not None

@@ -397,7 +397,7 @@ def test_detection_before_injection_opens_natural_fault():
     assert natural.downtime_s == approx(0.9) and injected.downtime_s == approx(0.8)
 
 
-def test_detection_attaches_to_oldest_open_fault_and_keeps_its_layer():
+def test_detection_attaches_to_oldest_open_fault_and_the_restart_names_the_layer():
     events = [
         *steps(0, 1, 0.0),
         ev(FAULT_INJECTED, 2.0, rank=1, fault="hang", step=2),
@@ -410,8 +410,8 @@ def test_detection_attaches_to_oldest_open_fault_and_keeps_its_layer():
     first, second = compute(events).faults
     assert first.rank == 1 and first.detector == "heartbeat" and first.detection_s == approx(0.5)
     assert second.rank == 2 and second.detector is None and second.detection_s is None
-    assert first.layer == "inprocess"  # set by the detection; the restart does not override
-    assert second.layer == "launcher"  # set by the restart
+    # The detection said inprocess; the launcher's restart recovered both.
+    assert first.layer == second.layer == "launcher"
     assert first.downtime_s == approx(1.5) and second.downtime_s == approx(1.4)
 
 
@@ -605,3 +605,25 @@ def test_alert_records_change_no_figure() -> None:
     assert compute([*base, late, early]).to_dict() == compute(base).to_dict()
     with pytest.raises(ValueError):
         compute([late])
+
+
+def test_an_inprocess_restart_that_gives_up_is_the_launchers_fault():
+    """A hang in native code: the watchdog detects it (layer inprocess) and the peer starts an
+    in-process restart, but the hung rank never joins; the launcher restarts both."""
+    events = [
+        *steps(0, 1, 0.0),
+        ev(FAULT_INJECTED, 2.0, rank=0, fault="hang-native", step=2),
+        ev(FAULT_DETECTED, 2.5, rank=0, cause="timeout", detector="watchdog", layer="inprocess"),
+        ev(RESTART_BEGIN, 2.6, rank=1, layer="inprocess"),
+        ev(FAULT_DETECTED, 4.0, rank=-1, cause="exit", detector="exit_code", layer="launcher"),
+        ev(RESTART_BEGIN, 4.1, rank=-1, layer="launcher"),
+        ev(RESTART_END, 4.5, rank=-1, attempt=1, layer="launcher"),
+        *steps(2, 2, 5.0, attempt=1),
+    ]
+    (f,) = compute(events).faults
+    assert f.detector == "watchdog" and f.detection_s == approx(0.5)
+    assert f.layer == "launcher"
+    inprocess_only = [e for e in events if e.ts < 4.0 or e.kind == STEP]
+    inprocess_only.append(ev(RESTART_END, 3.0, rank=1, layer="inprocess"))
+    (g,) = compute(sorted(inprocess_only, key=lambda e: e.ts)).faults
+    assert g.layer == "inprocess"

@@ -232,6 +232,21 @@ def skips_after(
     return len({step for _, step in skips[lo:hi]})
 
 
+# Recovery layers, inner to outer: an outer layer's restart supersedes what an inner one tried.
+_LAYERS = {"inprocess": 0, "launcher": 1, "orchestrator": 2}
+
+
+def _outer(layer: str | None, other: Any) -> str | None:
+    """The layer that recovered a fault: the outermost of those that acted on it (``other``:
+    a record's ``layer``; an unknown one only where none is known)."""
+    if other is None:
+        return layer
+    other = str(other)
+    if layer is None or _LAYERS.get(other, -1) > _LAYERS.get(layer, -1):
+        return other
+    return layer
+
+
 def walk_faults(ordered: list[Event], ref: int) -> list[OpenFault]:
     """Open, detect, attach restarts to and resume faults, in event order."""
     faults: list[OpenFault] = []
@@ -273,12 +288,10 @@ def walk_faults(ordered: list[Event], ref: int) -> list[OpenFault]:
             target.detection_ts = ts
             target.cause = opt_str(e.get("cause"))
             target.detector = opt_str(e.get("detector"))
-            if e.get("layer") is not None:
-                target.layer = str(e.get("layer"))
+            target.layer = _outer(target.layer, e.get("layer"))
         elif kind in (RESTART_BEGIN, RESTART_END):
             for f in open_:
-                if f.layer is None and e.get("layer") is not None:
-                    f.layer = str(e.get("layer"))
+                f.layer = _outer(f.layer, e.get("layer"))
                 if kind == RESTART_END:
                     f.last_restart_end = float(e.ts)
         elif kind == STEP and e.rank == ref and open_:

@@ -36,8 +36,10 @@ Faults (one walk over the events in order)
       if no fault is open, it opens a *natural* fault at its own ``ts`` (kind = ``cause``,
       rank = ``fault_rank`` or else the record's rank, step None, not injected). It sets
       ``cause``, ``detector`` and ``layer`` (``layer`` only when given).
-    * ``restart_begin``/``restart_end`` set ``layer`` on every open fault that has none;
-      ``restart_end`` also records its ``ts`` on every open fault.
+    * ``restart_begin``/``restart_end`` give ``layer`` to every open fault. A fault's layer,
+      the one that recovered it, is the outermost that acted on it (inprocess < launcher <
+      orchestrator: an in-process restart that gave up, as on a hang in native code, ends as
+      the launcher's); ``restart_end`` also records its ``ts`` on every open fault.
     * A fault's threshold is max(fault time, detection ts, last attached ``restart_end`` ts).
       A reference-rank ``step`` record whose ``begin`` >= the threshold *resumes* (and closes)
       every open fault it satisfies: ``resume_ts`` = that ``begin``. The walk meets a step
