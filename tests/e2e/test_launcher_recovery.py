@@ -202,9 +202,7 @@ def test_cold_starts_recover_bit_exact(reference: str, tmp_path: Path) -> None:
     assert res.hashes() == [reference, reference]
 
 
-def test_a_hang_in_native_code_is_the_launchers_to_recover(
-    reference: str, tmp_path: Path
-) -> None:
+def test_a_hang_in_native_code_is_the_launchers_to_recover(reference: str, tmp_path: Path) -> None:
     """In-process restart on: rank 1 blocks inside one native call, where no interrupt reaches
     it; its watchdog gives up at the hard timeout and the launcher restarts the workers. The
     ledger names the launcher as the layer that recovered it, not the in-process detection."""
