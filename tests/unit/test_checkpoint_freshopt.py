@@ -5,6 +5,7 @@ parameters; DCP's path where that does not apply, and a Mismatch where nothing f
 from __future__ import annotations
 
 import dataclasses
+import io
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -14,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from unbroken.checkpoint import Checkpointer, memory
+from unbroken.checkpoint import Checkpointer, freshopt, memory
 from unbroken.ledger import Ledger
 from unbroken.workload.model import SIZES, build_model, loss_fn
 from unbroken.workload.parallel import wrap_model
@@ -196,3 +197,63 @@ def test_a_disk_restore_makes_the_state_the_same_way(
     _train(*ref, steps=1, seed=2)
     _train(*fresh, steps=1, seed=2)
     assert _same(ref, fresh)
+
+
+def _pooled_restore(tmp_path: Path, size: int | None) -> tuple[Any, Any, freshopt.Pool]:
+    """A fresh model/optimizer restored from a snapshot of ``ref`` with the state carved from
+    a pool of ``size`` bytes (None: as much as the snapshot needs)."""
+    ref = _build("none")
+    _train(*ref, steps=3, seed=1)
+    snap = _snapshot(tmp_path, *ref)
+    saved = freshopt.Saved(tensors={i.fqn: (s.dtype, s.shape) for i, s in snap.tensors}, values=())
+    pool = freshopt.Pool(freshopt.spare_bytes(saved) if size is None else size)
+    pool.fault_in()
+    fresh = _build("none")
+    with freshopt.carving(pool):
+        pending = memory.prepare({"model": fresh[0], "optim": fresh[1]}, snap, rank=0)
+    pool.close()
+    pending.apply()
+    assert _same(ref, fresh)
+    _train(*ref, steps=2, seed=2)
+    _train(*fresh, steps=2, seed=2)
+    assert _same(ref, fresh)
+    memory.take((tmp_path / "ckpt").resolve()).close()  # type: ignore[union-attr]
+    return ref, fresh, pool
+
+
+def test_the_state_is_carved_from_the_warmed_pool_one_storage_per_tensor(tmp_path: Path) -> None:
+    _, (_, optim), pool = _pooled_restore(tmp_path, None)
+    tensors = [v for st in optim.state.values() for k, v in st.items() if k != "step"]
+    assert pool.carved == len(tensors) > 0  # every one of them from the pool
+    for t in tensors:
+        assert t.untyped_storage().nbytes() == t.numel() * t.element_size()
+    big = max(tensors, key=lambda t: t.numel())
+    buf = io.BytesIO()
+    torch.save(big, buf)  # writes its own bytes, not the pool's
+    assert buf.tell() < big.numel() * big.element_size() + 4096
+
+
+def test_a_pool_too_small_leaves_the_rest_to_fresh_memory(tmp_path: Path) -> None:
+    _, (_, optim), pool = _pooled_restore(tmp_path, 4096)
+    tensors = [v for st in optim.state.values() for k, v in st.items() if k != "step"]
+    assert 0 < pool.carved < len(tensors)
+
+
+def test_load_hooks_keep_the_full_load(tmp_path: Path) -> None:
+    ref = _build("none")
+    _train(*ref, steps=3, seed=1)
+    snap = _snapshot(tmp_path, *ref)
+    fresh = _build("none")
+    seen: list[str] = []
+    fresh[0].register_load_state_dict_pre_hook(lambda *_a, **_k: seen.append("model"))
+    fresh[1].register_load_state_dict_post_hook(lambda *_a: seen.append("optim"))
+    pending = memory.prepare({"model": fresh[0], "optim": fresh[1]}, snap, rank=0)
+    assert memory._loaded_in_place(pending.plan, []) is None  # a hook: load_state_dict runs
+    pending.apply()
+    assert seen == ["model", "optim"] and _same(ref, fresh)
+    plain = _build("none")
+    pending = memory.prepare({"model": plain[0], "optim": plain[1]}, snap, rank=0)
+    assert memory._loaded_in_place(pending.plan, []) == "model"  # the copy loaded it
+    pending.apply()
+    assert _same(ref, plain)
+    memory.take((tmp_path / "ckpt").resolve()).close()  # type: ignore[union-attr]

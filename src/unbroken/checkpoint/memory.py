@@ -275,8 +275,46 @@ class Pending:
         for fqn, data in self.values:
             value = torch.load(io.BytesIO(data), weights_only=False)  # as DCP's planner does
             set_element(self.plan.template, self.mappings[fqn], value)
-        apply_loaded(self.state, self.plan, rank=self.rank)
+        key = _loaded_in_place(self.plan, [fqn for fqn, _ in self.values])
+        state = {k: v for k, v in self.state.items() if k != key}
+        apply_loaded(state, self.plan, rank=self.rank)
         return list(self.plan.skipped)
+
+
+_FSDP_RESET = "FSDPParam.__init__.<locals>.<lambda>"  # FSDP2's post-load hook: re-pad shards
+
+
+def _loaded_in_place(plan: Any, values: list[str]) -> str | None:
+    """The model's key when the copy has loaded it already: every item of its state dict a
+    tensor whose storage is one of its parameters' or buffers' (so ``load_state_dict`` would
+    copy each onto itself), and no module with a load hook of its own (FSDP2's resets a
+    parameter's shard that was replaced: none was) or its own ``_load_from_state_dict``;
+    else None (``apply_loaded`` loads it)."""
+    if plan.parts.model is None or plan.parts.model[0] not in plan.template:
+        return None
+    key, model = plan.parts.model
+    if key in plan.parts.per_rank or any(f.startswith(f"{key}.") for f in values):
+        return None
+    for m in model.modules():
+        if m._load_state_dict_pre_hooks or type(m)._load_from_state_dict is not (
+            torch.nn.Module._load_from_state_dict
+        ):
+            return None
+        if any(
+            getattr(h, "__qualname__", "") != _FSDP_RESET
+            for h in m._load_state_dict_post_hooks.values()
+        ):
+            return None
+    live = {_local(t).untyped_storage().data_ptr() for t in (*model.parameters(), *model.buffers())}
+    flat, _ = flatten_state_dict(plan.template[key])
+    return (
+        key
+        if all(
+            isinstance(t, torch.Tensor) and _local(t).untyped_storage().data_ptr() in live
+            for t in flat.values()
+        )
+        else None
+    )
 
 
 def prepare(state: Any, snapshot: Snapshot, *, rank: int) -> Pending:
