@@ -257,3 +257,36 @@ def test_load_hooks_keep_the_full_load(tmp_path: Path) -> None:
     pending.apply()
     assert _same(ref, plain)
     memory.take((tmp_path / "ckpt").resolve()).close()  # type: ignore[union-attr]
+
+
+def test_state_copied_ahead_into_the_pool_is_not_copied_again(tmp_path: Path) -> None:
+    ref = _build("none")
+    _train(*ref, steps=3, seed=1)
+    snap = _snapshot(tmp_path, *ref)
+    saved = freshopt.Saved(tensors={i.fqn: (s.dtype, s.shape) for i, s in snap.tensors}, values=())
+    pool = freshopt.Pool(freshopt.spare_bytes(saved))
+    ahead = [(s, snap.arena.view(s)) for i, s in snap.tensors if s.shape and ".state." in i.fqn]
+    pool.fill(ahead)  # what tiers.Warm does while the new process builds its model
+    fresh = _build("none")
+    with freshopt.carving(pool):
+        pending = memory.prepare({"model": fresh[0], "optim": fresh[1]}, snap, rank=0)
+    skipped: list[Any] = []
+
+    def done(dst: torch.Tensor, slot: Any) -> bool:
+        if pool.tag_of(dst) == slot:
+            skipped.append(slot)
+            return True
+        return False
+
+    pending.apply(done=done)
+    assert len(skipped) == len(ahead) == pool.carved > 0
+    assert _same(ref, fresh)
+    # Copied ahead from another snapshot (another tag): copied again, from this one.
+    stale = freshopt.Pool(pool.size)
+    stale.fill([(("older", s), torch.zeros_like(t)) for s, t in ahead])
+    other = _build("none")
+    with freshopt.carving(stale):
+        pending = memory.prepare({"model": other[0], "optim": other[1]}, snap, rank=0)
+    pending.apply(done=lambda dst, slot: stale.tag_of(dst) == slot)
+    assert stale.carved == len(ahead) and _same(ref, other)
+    memory.take((tmp_path / "ckpt").resolve()).close()  # type: ignore[union-attr]

@@ -16,7 +16,9 @@ was most of the copy. ``Pool`` is fresh CPU memory faulted in ahead of the resto
 thread, while the new process builds its model: ``tiers``), that ``template`` carves the CPU
 state tensors from: one storage per tensor all the same (``torch.save`` of one writes only
 its bytes), private anonymous memory that lives as long as its tensors do. ``spare_bytes``
-is the size a pool needs for what a snapshot holds.
+is the size a pool needs for what a snapshot holds; ``Pool.fill`` copies a snapshot's state
+ahead into the places its tensors will be carved from, each tagged with the slot it came
+from, so that the restore's copy skips them (``memory.Pending.apply``).
 
 Where this cannot be sure of the state's shape ``template`` returns None and DCP's path runs:
 an optimizer that has state or gradients already, FSDP1 (its flat parameters rename the
@@ -70,7 +72,7 @@ def spare_bytes(saved: Saved) -> int:
     non-scalar tensor under an ``<key>.state.`` prefix (an upper bound: another key may hold
     such a name)."""
     return sum(
-        _aligned(torch.empty((), dtype=dtype).element_size() * _numel(shape))
+        _aligned(dtype.itemsize * _numel(shape))
         for flat, (dtype, shape) in saved.tensors.items()
         if shape and f".{STATE}." in flat
     )
@@ -94,17 +96,41 @@ class Pool:
         self.used = 0
         self.carved = 0
         """Tensors carved so far."""
+        self._base = torch.frombuffer(self._mm, dtype=torch.uint8).data_ptr()
+        self._filled: dict[int, Any] = {}
+        """Offset -> the tag of what ``fill`` copied there."""
 
     def fault_in(self) -> None:
         """Fault every page in (a write of one byte each; the GIL is released meanwhile)."""
         if self._mm is not None:
             torch.frombuffer(self._mm, dtype=torch.uint8)[:: mmap.PAGESIZE].fill_(0)
 
+    def fill(self, sources: list[tuple[Any, torch.Tensor]]) -> None:
+        """Copy each ``(tag, tensor)`` to where ``take`` will carve a tensor of its shape
+        when asked in this order (the GIL is released while it copies); ``tag_of`` tells."""
+        offset, dsts, srcs = 0, [], []
+        assert self._mm is not None
+        for tag, src in sources:
+            nbytes = src.numel() * src.element_size()
+            if not nbytes or offset + nbytes > self.size:
+                break
+            dst = torch.frombuffer(self._mm, dtype=src.dtype, count=src.numel(), offset=offset)
+            dsts.append(dst.view(src.shape))
+            srcs.append(src)
+            self._filled[offset] = tag
+            offset = _aligned(offset + nbytes)
+        if dsts:
+            torch._foreach_copy_(dsts, srcs)
+
+    def tag_of(self, t: torch.Tensor) -> Any:
+        """The tag ``fill`` copied into the place ``t`` was carved from, or None."""
+        return self._filled.get(t.data_ptr() - self._base)
+
     def take(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
         """An uninitialized CPU tensor of ``shape`` in the pool (its own storage), or None
         when it does not fit what is left."""
         numel = _numel(shape)
-        nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        nbytes = numel * dtype.itemsize
         if self._mm is None or not nbytes or self.used + nbytes > self.size:
             return None
         t = torch.frombuffer(self._mm, dtype=dtype, count=numel, offset=self.used).view(shape)
@@ -124,6 +150,11 @@ class Pool:
 
 
 _pool: contextvars.ContextVar[Pool | None] = contextvars.ContextVar("freshopt_pool", default=None)
+
+
+def current_pool() -> Pool | None:
+    """The pool of the enclosing ``carving``, if any."""
+    return _pool.get()
 
 
 @contextlib.contextmanager
@@ -165,7 +196,7 @@ def _device(p: torch.Tensor, shape: tuple[int, ...], local: bool) -> torch.devic
         return torch.device("cpu")
     if not isinstance(p, DTensor):
         return p.device
-    shard = p.to_local()
+    shard = _shard(p)
     return shard.device if tuple(shard.shape if local else p.shape) == shape else None
 
 
@@ -177,7 +208,7 @@ def _allocate(wants: list[tuple[torch.Tensor, torch.dtype, tuple[int, ...]]]) ->
     pool = _pool.get()
     for p, dtype, shape in wants:
         if isinstance(p, DTensor) and shape:
-            shape = tuple(p.to_local().shape)
+            shape = tuple(_shard(p).shape)
         device = _device(p, shape, True)
         t = None
         if pool is not None and shape and device is not None and device.type == "cpu":
@@ -185,11 +216,27 @@ def _allocate(wants: list[tuple[torch.Tensor, torch.dtype, tuple[int, ...]]]) ->
         if t is None:
             t = torch.empty(shape, dtype=dtype, device=device)
         if isinstance(p, DTensor) and shape:
-            t = DTensor.from_local(
-                t, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride()
-            )
+            t = _like(p, t)
         out.append(t)
     return out
+
+
+def _shard(p: DTensor) -> torch.Tensor:
+    """``p``'s local shard (without ``to_local``'s autograd function)."""
+    local = getattr(p, "_local_tensor", None)
+    return local if isinstance(local, torch.Tensor) else p.to_local()
+
+
+def _like(p: DTensor, local: torch.Tensor) -> DTensor:
+    """A DTensor of ``local`` laid out like ``p``: ``p``'s spec where the dtypes match (what
+    ``from_local`` would make, without its autograd function: ~70 us a tensor), else
+    ``from_local``."""
+    spec = p._spec
+    if spec.tensor_meta is not None and spec.tensor_meta.dtype == local.dtype:
+        return DTensor(local, spec, requires_grad=False)
+    return DTensor.from_local(
+        local, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride()
+    )
 
 
 def template(

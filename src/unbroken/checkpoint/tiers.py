@@ -115,7 +115,17 @@ class Warm:
                     pool.fault_in()
                     self.pool = pool
             for snap in mine:
-                self.verdicts[(snap.region, snap.step, snap.seq)] = memory.verify(snap)
+                self.verdicts[_id(snap)] = memory.verify(snap)
+            if self.pool is not None and self.verdicts[_id(mine[0])] is None:
+                # The newest snapshot's optimizer state, where its fresh state will be carved.
+                newest = mine[0]
+                self.pool.fill(
+                    [
+                        ((_id(newest), slot), newest.arena.view(slot))
+                        for i, slot in newest.tensors
+                        if slot.shape and f".{freshopt.STATE}." in i.fqn
+                    ]
+                )
         except Exception as e:  # noqa: BLE001 - only a slower restore: it checks again
             logger.warning("warming the adopted arena failed: %s", e)
 
@@ -125,12 +135,21 @@ class Warm:
     def verdict(self, snap: memory.Snapshot, ring: memory.Ring | None) -> tuple[bool, str | None]:
         """(known, verdict) for ``snap``: known when it was checked here and its region
         still holds the same sealed snapshot."""
-        key = (snap.region, snap.step, snap.seq)
+        key = _id(snap)
         if key not in self.verdicts or ring is None:
             return False, None
         if memory.sealed_as(snap.arena, ring, snap.region) != (snap.step, snap.seq):
             return False, None
         return True, self.verdicts[key]
+
+
+def _filled(pool: freshopt.Pool, snap_id: tuple[int, int, int], dst: Any, slot: Any) -> bool:
+    """Whether ``Warm`` copied ``slot`` of that snapshot where ``dst`` was carved."""
+    return bool(pool.tag_of(dst) == (snap_id, slot))
+
+
+def _id(snap: memory.Snapshot) -> tuple[int, int, int]:
+    return (snap.region, snap.step, snap.seq)
 
 
 _warming: weakref.WeakKeyDictionary[Arena, Warm] = weakref.WeakKeyDictionary()
@@ -240,7 +259,12 @@ def _newest(
             continue
         assert pending is not None
         t4 = time.perf_counter()
-        pending.apply()
+        pool = freshopt.current_pool()
+        known = warm is not None and not untrusted and warm.verdict(snaps[step], ring)[0]
+        if pool is not None and known:  # its copy may be there already (``Warm``)
+            pending.apply(done=functools.partial(_filled, pool, _id(snaps[step])))
+        else:
+            pending.apply()
         timings["copy_s"] = time.perf_counter() - t4
         staging.retain(snaps[step].region)
         if rank == 0:  # what the killed writers left, as a disk restore does
