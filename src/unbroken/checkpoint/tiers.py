@@ -10,8 +10,12 @@ newest step every rank holds in memory, checked, or says why not (then: disk); s
 An arena adopted from the keeper is warmed on a thread (``Warm``) while the new process goes
 on (in ``unbroken.workload`` it builds its model meanwhile): its snapshots' digests are
 checked (which also maps the arena's pages), and a ``freshopt.Pool`` the size of the newest
-one's optimizer state is faulted in, for ``from_memory`` to carve the fresh optimizer state
-from; ``from_memory`` waits for what is left of it (in ``prepare_s``). A verdict holds for the
+one's optimizer state is faulted in and filled with that state, for ``from_memory`` to carve
+the fresh optimizer state from (its copy then skips what is there already); ``from_memory``
+waits for what is left of it (in ``prepare_s``). What moved: the page faults of the fresh
+optimizer state, its copy and the digests, from the restore to the time the new process
+builds its model (with a Checkpointer made first, as ``unbroken.workload`` does); with
+one made just before the restore, the restore waits for all of it, as long as before. A verdict holds for the
 region's snapshot as sealed then (its step and sequence number, checked again at the restore):
 the process that wrote the arena is dead and this one stages nothing before it restores.
 """
