@@ -15,8 +15,9 @@ In a new process that memory is fresh: its first touch (a page fault for each 4 
 was most of the copy. ``Pool`` is fresh CPU memory faulted in ahead of the restore (on a
 thread, while the new process builds its model: ``tiers``), that ``template`` carves the CPU
 state tensors from: one storage per tensor all the same (``torch.save`` of one writes only
-its bytes), private anonymous memory that lives as long as its tensors do. ``spare_bytes``
-is the size a pool needs for what a snapshot holds; ``Pool.fill`` copies a snapshot's state
+its bytes), private anonymous memory that lives as long as its tensors do (left out of a
+child forked before the restore ends, such as the checkpoint writer). ``spare_bytes`` is the
+size a pool needs for what a snapshot holds; ``Pool.fill`` copies a snapshot's state
 ahead into the places its tensors will be carved from, each tagged with the slot it came
 from, so that the restore's copy skips them (``memory.Pending.apply``).
 
@@ -93,6 +94,9 @@ class Pool:
         self.size = size
         flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
         self._mm: mmap.mmap | None = mmap.mmap(-1, max(size, mmap.PAGESIZE), flags=flags)
+        # Not in a child forked meanwhile (the checkpoint writer, forked while this is filled):
+        # it would share the pages copy-on-write, and each write here would copy one.
+        self._mm.madvise(mmap.MADV_DONTFORK)
         self.used = 0
         self.carved = 0
         """Tensors carved so far."""
@@ -146,6 +150,7 @@ class Pool:
         start = (self.used + mmap.PAGESIZE - 1) // mmap.PAGESIZE * mmap.PAGESIZE
         if start < len(self._mm):
             self._mm.madvise(mmap.MADV_DONTNEED, start, len(self._mm) - start)
+        self._mm.madvise(mmap.MADV_DOFORK)  # from now on the state forks like any memory
         self._mm = None  # unmapped once the last carved tensor is gone
 
 
