@@ -70,6 +70,7 @@ def test_a_sigkill_restores_from_the_memory_the_agent_kept(reference: str, tmp_p
     loads = _loads(tmp_path)
     assert {(e.rank, e.get("source")) for e in loads} == {(0, "keeper"), (1, "keeper")}
     assert all("checksums verified" in e.get("why") for e in loads), [e.data for e in loads]
+    assert all(e.get("pooled") for e in loads), [e.data for e in loads]  # the warmed pool used
 
 
 def test_a_corrupt_memory_falls_back_to_disk(reference: str, tmp_path: Path) -> None:

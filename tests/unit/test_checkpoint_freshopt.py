@@ -5,6 +5,10 @@ parameters; DCP's path where that does not apply, and a Mismatch where nothing f
 from __future__ import annotations
 
 import dataclasses
+import faulthandler
+import io
+import os
+import signal
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -14,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from unbroken.checkpoint import Checkpointer, memory
+from unbroken.checkpoint import Checkpointer, freshopt, memory
 from unbroken.ledger import Ledger
 from unbroken.workload.model import SIZES, build_model, loss_fn
 from unbroken.workload.parallel import wrap_model
@@ -196,3 +200,117 @@ def test_a_disk_restore_makes_the_state_the_same_way(
     _train(*ref, steps=1, seed=2)
     _train(*fresh, steps=1, seed=2)
     assert _same(ref, fresh)
+
+
+def _pooled_restore(tmp_path: Path, size: int | None) -> tuple[Any, Any, freshopt.Pool]:
+    """A fresh model/optimizer restored from a snapshot of ``ref`` with the state carved from
+    a pool of ``size`` bytes (None: as much as the snapshot needs)."""
+    ref = _build("none")
+    _train(*ref, steps=3, seed=1)
+    snap = _snapshot(tmp_path, *ref)
+    saved = freshopt.Saved(tensors={i.fqn: (s.dtype, s.shape) for i, s in snap.tensors}, values=())
+    pool = freshopt.Pool(freshopt.spare_bytes(saved) if size is None else size)
+    pool.fault_in()
+    fresh = _build("none")
+    with freshopt.carving(pool):
+        pending = memory.prepare({"model": fresh[0], "optim": fresh[1]}, snap, rank=0)
+    pool.close()
+    pending.apply()
+    assert _same(ref, fresh)
+    _train(*ref, steps=2, seed=2)
+    _train(*fresh, steps=2, seed=2)
+    assert _same(ref, fresh)
+    memory.take((tmp_path / "ckpt").resolve()).close()  # type: ignore[union-attr]
+    return ref, fresh, pool
+
+
+def test_the_state_is_carved_from_the_warmed_pool_one_storage_per_tensor(tmp_path: Path) -> None:
+    _, (_, optim), pool = _pooled_restore(tmp_path, None)
+    tensors = [v for st in optim.state.values() for k, v in st.items() if k != "step"]
+    assert pool.carved == len(tensors) > 0  # every one of them from the pool
+    for t in tensors:
+        assert t.untyped_storage().nbytes() == t.numel() * t.element_size()
+    big = max(tensors, key=lambda t: t.numel())
+    buf = io.BytesIO()
+    torch.save(big, buf)  # writes its own bytes, not the pool's
+    assert buf.tell() < big.numel() * big.element_size() + 4096
+
+
+def test_a_pool_too_small_leaves_the_rest_to_fresh_memory(tmp_path: Path) -> None:
+    _, (_, optim), pool = _pooled_restore(tmp_path, 4096)
+    tensors = [v for st in optim.state.values() for k, v in st.items() if k != "step"]
+    assert 0 < pool.carved < len(tensors)
+
+
+def test_load_hooks_keep_the_full_load(tmp_path: Path) -> None:
+    ref = _build("none")
+    _train(*ref, steps=3, seed=1)
+    snap = _snapshot(tmp_path, *ref)
+    fresh = _build("none")
+    seen: list[str] = []
+    fresh[0].register_load_state_dict_pre_hook(lambda *_a, **_k: seen.append("model"))
+    fresh[1].register_load_state_dict_post_hook(lambda *_a: seen.append("optim"))
+    pending = memory.prepare({"model": fresh[0], "optim": fresh[1]}, snap, rank=0)
+    assert memory._loaded_in_place(pending.plan, []) is None  # a hook: load_state_dict runs
+    pending.apply()
+    assert seen == ["model", "optim"] and _same(ref, fresh)
+    plain = _build("none")
+    pending = memory.prepare({"model": plain[0], "optim": plain[1]}, snap, rank=0)
+    assert memory._loaded_in_place(pending.plan, []) == "model"  # the copy loaded it
+    pending.apply()
+    assert _same(ref, plain)
+    memory.take((tmp_path / "ckpt").resolve()).close()  # type: ignore[union-attr]
+
+
+def test_state_copied_ahead_into_the_pool_is_not_copied_again(tmp_path: Path) -> None:
+    ref = _build("none")
+    _train(*ref, steps=3, seed=1)
+    snap = _snapshot(tmp_path, *ref)
+    saved = freshopt.Saved(tensors={i.fqn: (s.dtype, s.shape) for i, s in snap.tensors}, values=())
+    pool = freshopt.Pool(freshopt.spare_bytes(saved))
+    ahead = [(s, snap.arena.view(s)) for i, s in snap.tensors if s.shape and ".state." in i.fqn]
+    pool.fill(ahead)  # what tiers.Warm does while the new process builds its model
+    fresh = _build("none")
+    with freshopt.carving(pool):
+        pending = memory.prepare({"model": fresh[0], "optim": fresh[1]}, snap, rank=0)
+    skipped: list[Any] = []
+
+    def done(dst: torch.Tensor, slot: Any) -> bool:
+        if pool.tag_of(dst) == slot:
+            skipped.append(slot)
+            return True
+        return False
+
+    pending.apply(done=done)
+    assert len(skipped) == len(ahead) == pool.carved > 0
+    assert _same(ref, fresh)
+    # Copied ahead from another snapshot (another tag): copied again, from this one.
+    stale = freshopt.Pool(pool.size)
+    stale.fill([(("older", s), torch.zeros_like(t)) for s, t in ahead])
+    other = _build("none")
+    with freshopt.carving(stale):
+        pending = memory.prepare({"model": other[0], "optim": other[1]}, snap, rank=0)
+    pending.apply(done=lambda dst, slot: stale.tag_of(dst) == slot)
+    assert stale.carved == len(ahead) and _same(ref, other)
+    memory.take((tmp_path / "ckpt").resolve()).close()  # type: ignore[union-attr]
+
+
+def test_a_pool_is_left_out_of_a_child_forked_before_the_restore_ends() -> None:
+    pool = freshopt.Pool(1 << 20)
+    pool.fault_in()
+    t = pool.take((1024,), torch.float32)
+    assert t is not None
+    t.fill_(3.0)
+
+    def child_reads() -> int:
+        pid = os.fork()
+        if pid == 0:  # the checkpoint writer never reads the state: the arena holds its copy
+            faulthandler.disable()  # a quiet SIGSEGV
+            os._exit(0 if float(t[0]) == 3.0 else 2)
+        return os.waitpid(pid, 0)[1]
+
+    status = child_reads()
+    assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGSEGV
+    pool.close()
+    assert child_reads() == 0  # after the restore the state forks like any memory
+    assert float(t[0]) == 3.0

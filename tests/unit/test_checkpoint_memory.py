@@ -14,7 +14,7 @@ import torch
 from torch.distributed.checkpoint.metadata import MetadataIndex
 
 from toy import mlp, train_step
-from unbroken.checkpoint import CheckpointConfig, Checkpointer, keeper, layout, memory
+from unbroken.checkpoint import CheckpointConfig, Checkpointer, keeper, layout, memory, tiers
 from unbroken.checkpoint.arena import Arena, Slot, copy_into, plan_slots
 from unbroken.checkpoint.staging import Staging
 from unbroken.launcher.keeper import MemoryKeeper
@@ -64,6 +64,36 @@ def test_a_flipped_byte_fails_the_check_and_a_cleared_region_is_gone() -> None:
     assert [s.step for s in held] == [5, 4]
     assert memory.verify(held[0]) == "step 5: 'w' fails its checksum"
     assert memory.verify(held[1]) is None
+    arena.close()
+
+
+def test_a_warm_verdict_holds_only_for_the_snapshot_it_checked() -> None:
+    arena, ring, snaps = _ring_with([4, 5, 6])
+    slot = snaps[1].tensors[0][1]
+    arena.write(slot.offset + 7, bytes([arena.read(slot.offset + 7, 1)[0] ^ 1]))
+    warm = tiers.Warm(arena, 0)
+    warm.wait()
+    _, held = memory.read(arena)
+    verdicts = {s.step: warm.verdict(s, ring) for s in held}
+    assert verdicts == {
+        6: (True, None),
+        5: (True, "step 5: 'w' fails its checksum"),
+        4: (True, None),
+    }
+    assert warm.pool is None  # no optimizer state in these snapshots
+    # Region 0 staged anew after the warm-up (another step, another sequence number): its
+    # verdict is unknown, so the restore checks its digests itself.
+    memory.clear(arena, ring, 0)
+    base = ring.data_base(0)
+    again = memory.Snapshot(
+        step=7, rank=0, world_size=1, arena=arena, region=0,
+        tensors=[(MetadataIndex("w"), Slot(base, 1024, torch.float32, (256,)))],
+        payloads=[], digests=[], seq=9,
+    )  # fmt: skip
+    memory.seal(again, ring)
+    [newest, *_] = memory.read(arena)[1]
+    assert newest.step == 7 and warm.verdict(newest, ring) == (False, None)
+    assert warm.verdict(held[2], ring) == (False, None)  # step 4's region holds step 7 now
     arena.close()
 
 

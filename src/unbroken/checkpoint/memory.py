@@ -28,6 +28,7 @@ import io
 import logging
 import pickle
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -36,7 +37,7 @@ import torch
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.metadata import MetadataIndex
-from torch.distributed.checkpoint.planner import WriteItemType
+from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 from torch.distributed.checkpoint.planner_helpers import _create_write_items
 from torch.distributed.tensor import DTensor
 
@@ -268,15 +269,71 @@ class Pending:
     rank: int
 
     @torch.no_grad()
-    def apply(self) -> list[str]:
-        """Copy the snapshot into the live state; returns the PerRank keys it had no value for."""
+    def apply(self, *, done: Callable[[torch.Tensor, Slot], bool] | None = None) -> list[str]:
+        """Copy the snapshot into the live state; returns the PerRank keys it had no value for.
+        ``done(dst, slot)``: True where ``dst`` holds that slot's bytes already (copied ahead,
+        into memory it was carved from: ``freshopt.Pool.fill``)."""
         for dst, slot in self.copies:
-            dst.copy_(self.snapshot.arena.view(slot))
+            if done is None or not done(dst, slot):
+                dst.copy_(self.snapshot.arena.view(slot))
         for fqn, data in self.values:
             value = torch.load(io.BytesIO(data), weights_only=False)  # as DCP's planner does
             set_element(self.plan.template, self.mappings[fqn], value)
-        apply_loaded(self.state, self.plan, rank=self.rank)
+        key = _loaded_in_place(self.plan, [fqn for fqn, _ in self.values])
+        state = {k: v for k, v in self.state.items() if k != key}
+        apply_loaded(state, self.plan, rank=self.rank)
         return list(self.plan.skipped)
+
+
+def _write_items(fqn: str, obj: Any, shards: dict[Any, list[tuple[int, ...]]]) -> list[Any]:
+    """``_create_write_items(fqn, obj)``, the offsets of a DTensor's shards worked out once per
+    layout (spec): an optimizer's state is laid out like its parameter."""
+    if not isinstance(obj, DTensor):
+        return _create_write_items(fqn, obj)
+    if obj._spec not in shards:
+        made = _create_write_items(fqn, obj)
+        shards[obj._spec] = [tuple(wi.index.offset or ()) for wi in made]
+        return made
+    return [
+        WriteItem(index=MetadataIndex(fqn, offset), type=WriteItemType.SHARD)
+        for offset in shards[obj._spec]
+    ]
+
+
+_FSDP_RESET = "FSDPParam.__init__.<locals>.<lambda>"  # FSDP2's post-load hook: re-pad shards
+
+
+def _loaded_in_place(plan: Any, values: list[str]) -> str | None:
+    """The model's key when the copy has loaded it already: every item of its state dict a
+    tensor whose storage is one of its parameters' or buffers' (so ``load_state_dict`` would
+    copy each onto itself), and no module with a load hook of its own (FSDP2's resets a
+    parameter's shard that was replaced: none was) or its own ``_load_from_state_dict``;
+    else None (``apply_loaded`` loads it)."""
+    if plan.parts.model is None or plan.parts.model[0] not in plan.template:
+        return None
+    key, model = plan.parts.model
+    if key in plan.parts.per_rank or any(f.startswith(f"{key}.") for f in values):
+        return None
+    for m in model.modules():
+        if m._load_state_dict_pre_hooks or type(m)._load_from_state_dict is not (
+            torch.nn.Module._load_from_state_dict
+        ):
+            return None
+        if any(
+            getattr(h, "__qualname__", "") != _FSDP_RESET
+            for h in m._load_state_dict_post_hooks.values()
+        ):
+            return None
+    live = {_local(t).untyped_storage().data_ptr() for t in (*model.parameters(), *model.buffers())}
+    flat, _ = flatten_state_dict(plan.template[key])
+    return (
+        key
+        if all(
+            isinstance(t, torch.Tensor) and _local(t).untyped_storage().data_ptr() in live
+            for t in flat.values()
+        )
+        else None
+    )
 
 
 def prepare(state: Any, snapshot: Snapshot, *, rank: int) -> Pending:
@@ -293,10 +350,11 @@ def prepare(state: Any, snapshot: Snapshot, *, rank: int) -> Pending:
     payloads = {i.fqn: data for i, data in snapshot.payloads}
     pending = Pending(state, plan, dict(mappings), [], [], snapshot, rank)
     meshes: dict[int, bool] = {}
+    shards: dict[Any, list[tuple[int, ...]]] = {}  # a DTensor's layout -> its shards' offsets
     for fqn, obj in flat.items():
         if isinstance(obj, DTensor) and not _in_mesh(obj.device_mesh, meshes):
             continue
-        for wi in _create_write_items(fqn, obj):
+        for wi in _write_items(fqn, obj, shards):
             if wi.type == WriteItemType.BYTE_IO:
                 if fqn not in payloads:
                     raise Mismatch(f"no value for {fqn!r} in the snapshot")

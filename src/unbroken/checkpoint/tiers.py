@@ -6,20 +6,34 @@ launcher restart: the process that wrote it is dead), else, in a multi-node job,
 one any node's peer service holds for this rank (its keeper's, or the replica it was sent:
 a lost node, ranks moved to other nodes), else none. ``from_memory`` restores the
 newest step every rank holds in memory, checked, or says why not (then: disk); see ``memory``.
+
+An arena adopted from the keeper is warmed on a thread (``Warm``) while the new process goes
+on (in ``unbroken.workload`` it builds its model meanwhile): its snapshots' digests are
+checked (which also maps the arena's pages), and a ``freshopt.Pool`` the size of the newest
+one's optimizer state is faulted in and filled with that state, for ``from_memory`` to carve
+the fresh optimizer state from (its copy then skips what is there already); ``from_memory``
+waits for what is left of it (in ``prepare_s``). What moved: the page faults of the fresh
+optimizer state, its copy and the digests, from the restore to the time the new process
+builds its model (with a Checkpointer made first, as ``unbroken.workload`` does); with
+one made just before the restore, the restore waits for all of it, as long as before. A verdict holds for the
+region's snapshot as sealed then (its step and sequence number, checked again at the restore):
+the process that wrote the arena is dead and this one stages nothing before it restores.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
+import threading
 import time
+import weakref
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
 
-from unbroken.checkpoint import keeper, layout, memory, peers
+from unbroken.checkpoint import freshopt, keeper, layout, memory, peers
 from unbroken.checkpoint.arena import Arena
 from unbroken.checkpoint.config import CheckpointConfig
 from unbroken.checkpoint.staging import Staging
@@ -42,9 +56,12 @@ def adopt(root: Path, config: CheckpointConfig, *, rank: int) -> tuple[Arena | N
     fd = keeper.get(config.memory_keeper, _key(root, rank)) if config.memory_keeper else None
     if fd is not None:
         try:
-            return Arena.adopt(fd), "keeper"
+            arena = Arena.adopt(fd)
         except (OSError, ValueError) as e:
             logger.warning("the arena the memory keeper held is unusable: %s", e)
+        else:
+            _warming[arena] = Warm(arena, rank)
+            return arena, "keeper"
     if len(config.peers) < 2:
         return None, None
     arena, where = peers.fetch([peers.Peer.parse(p) for p in config.peers], _key(root, rank))
@@ -78,6 +95,70 @@ def staging_for(
     return staging, origin, replicator
 
 
+class Warm:
+    """The warming of an adopted arena (see the module docstring), on a thread of its own."""
+
+    def __init__(self, arena: Arena, rank: int) -> None:
+        self.verdicts: dict[tuple[int, int, int], str | None] = {}
+        """(region, step, sequence number) -> ``memory.verify``'s verdict."""
+        self.pool: freshopt.Pool | None = None
+        self._thread = threading.Thread(
+            target=self._run, args=(arena, rank), name="unbroken-warm", daemon=True
+        )
+        self._thread.start()
+
+    def _run(self, arena: Arena, rank: int) -> None:
+        try:
+            _, found = memory.read(arena)
+            mine = [s for s in found if s.rank == rank]
+            if mine:
+                saved = {i.fqn: (s.dtype, s.shape) for i, s in mine[0].tensors}
+                size = freshopt.spare_bytes(freshopt.Saved(tensors=saved, values=()))
+                if size:
+                    pool = freshopt.Pool(size)
+                    pool.fault_in()
+                    self.pool = pool
+            for snap in mine:
+                self.verdicts[_id(snap)] = memory.verify(snap)
+            if self.pool is not None and self.verdicts[_id(mine[0])] is None:
+                # The newest snapshot's optimizer state, where its fresh state will be carved.
+                newest = mine[0]
+                self.pool.fill(
+                    [
+                        ((_id(newest), slot), newest.arena.view(slot))
+                        for i, slot in newest.tensors
+                        if slot.shape and f".{freshopt.STATE}." in i.fqn
+                    ]
+                )
+        except Exception as e:  # noqa: BLE001 - only a slower restore: it checks again
+            logger.warning("warming the adopted arena failed: %s", e)
+
+    def wait(self) -> None:
+        self._thread.join()
+
+    def verdict(self, snap: memory.Snapshot, ring: memory.Ring | None) -> tuple[bool, str | None]:
+        """(known, verdict) for ``snap``: known when it was checked here and its region
+        still holds the same sealed snapshot."""
+        key = _id(snap)
+        if key not in self.verdicts or ring is None:
+            return False, None
+        if memory.sealed_as(snap.arena, ring, snap.region) != (snap.step, snap.seq):
+            return False, None
+        return True, self.verdicts[key]
+
+
+def _filled(pool: freshopt.Pool, snap_id: tuple[int, int, int], dst: Any, slot: Any) -> bool:
+    """Whether ``Warm`` copied ``slot`` of that snapshot where ``dst`` was carved."""
+    return bool(pool.tag_of(dst) == (snap_id, slot))
+
+
+def _id(snap: memory.Snapshot) -> tuple[int, int, int]:
+    return (snap.region, snap.step, snap.seq)
+
+
+_warming: weakref.WeakKeyDictionary[Arena, Warm] = weakref.WeakKeyDictionary()
+
+
 def hand_over(addr: str, root: Path, rank: int, fd: int) -> None:
     """Give a newly allocated arena to the keeper at ``addr`` (it outlives this process)."""
     keeper.put(addr, _key(root, rank), fd)
@@ -106,16 +187,47 @@ def from_memory(
     """Restore the newest step every rank holds in memory into ``state``: the step (None:
     restore from disk), the steps each rank held, and why memory was or was not used; adds
     the seconds of each part to ``timings`` (``gather_s``: agreeing with the other ranks,
-    ``prepare_s``: matching the live state, a fresh optimizer's state made by ``freshopt``;
-    ``verify_s``: the digests; ``copy_s``: the copy into the state, in a fresh process mostly
-    faulting in the new optimizer state's pages). With
+    ``prepare_s``: waiting for what is left of the ``Warm``-up, then matching the live state,
+    a fresh optimizer's state made by ``freshopt``; ``verify_s``: the digests not checked by
+    the warm-up; ``copy_s``: the copy into the state) and ``pooled``, the state tensors
+    carved from the warmed pool. With
     ``verify`` (an arena a dead process wrote) each copy's digests are checked first; a step
     that fails on any rank is passed over for the next older one every rank holds.
     Collective with a process group: one all-gather of the held steps, then one of the
     verdicts per step tried (the same count on every rank)."""
+    warm = _warming.pop(arena, None) if arena is not None else None
+    t0 = time.perf_counter()
+    if warm is not None:
+        warm.wait()  # what is left of it
+    timings["prepare_s"] = time.perf_counter() - t0
+    pool = warm.pool if warm is not None else None
+    try:
+        with freshopt.carving(pool):
+            return _newest(
+                state, arena, staging, root, rank, world_size, verify, timings, untrusted, warm
+            )
+    finally:
+        if pool is not None:
+            timings["pooled"] = pool.carved
+            pool.close()
+
+
+def _newest(
+    state: Mapping[str, Any],
+    arena: Arena | None,
+    staging: Staging,
+    root: Path,
+    rank: int,
+    world_size: int,
+    verify: bool,
+    timings: dict[str, float],
+    untrusted: bool,
+    warm: Warm | None,
+) -> tuple[int | None, list[Any], str | None]:
     snaps: dict[int, memory.Snapshot] = {}
+    ring = None
     if arena is not None:
-        _, found = memory.read(arena)
+        ring, found = memory.read(arena)
         for snap in found:
             if (snap.rank, snap.world_size) == (rank, world_size):
                 snaps.setdefault(snap.step, snap)
@@ -132,8 +244,13 @@ def from_memory(
         try:
             pending = memory.prepare(state, snaps[step], rank=rank)
             t2 = time.perf_counter()
-            timings["prepare_s"] = timings.get("prepare_s", 0.0) + t2 - t1
-            verdict = memory.verify(snaps[step], untrusted=untrusted) if verify else None
+            timings["prepare_s"] += t2 - t1
+            if verify:
+                known, verdict = (False, None)
+                if warm is not None and not untrusted:
+                    known, verdict = warm.verdict(snaps[step], ring)
+                if not known:
+                    verdict = memory.verify(snaps[step], untrusted=untrusted)
             timings["verify_s"] = timings.get("verify_s", 0.0) + time.perf_counter() - t2
         except memory.Mismatch as e:
             verdict = f"step {step} does not fit: {e}"
@@ -146,7 +263,12 @@ def from_memory(
             continue
         assert pending is not None
         t4 = time.perf_counter()
-        pending.apply()
+        pool = freshopt.current_pool()
+        known = warm is not None and not untrusted and warm.verdict(snaps[step], ring)[0]
+        if pool is not None and known:  # its copy may be there already (``Warm``)
+            pending.apply(done=functools.partial(_filled, pool, _id(snaps[step])))
+        else:
+            pending.apply()
         timings["copy_s"] = time.perf_counter() - t4
         staging.retain(snaps[step].region)
         if rank == 0:  # what the killed writers left, as a disk restore does

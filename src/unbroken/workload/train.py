@@ -244,6 +244,8 @@ def train_once(
         raise ValueError(f"global batch {global_batch} does not divide the world size {world_size}")
     ckpt: Checkpointer | None = None
     try:
+        # Before the model: a restarted process's adopted snapshots warm up meanwhile (tiers).
+        ckpt = _checkpointer(args, run_dir, ledger, hooks)
         with ledger.phase("model_build"):
             cfg = wmodel.get_config(args.model)
             model: torch.nn.Module = wmodel.build_model(cfg, seed=args.seed).to(device)
@@ -269,7 +271,6 @@ def train_once(
             "rng": PerRank(_RngState()),
             "progress": progress,
         }
-        ckpt = _checkpointer(args, run_dir, ledger, hooks)
         # The launcher's heartbeat carries the newest committed step: its no-progress guard
         # counts restarts without a new commit.
         ctx.add_step_hook(
