@@ -84,7 +84,7 @@ def staging_for(
     if config.memory_tier and len(config.peers) >= 2:
         buddy = config.peers[(config.peer_index + 1) % len(config.peers)]
         replicator = peers.Replicator(peers.Peer.parse(buddy), _key(root, rank))
-    addr = config.memory_keeper
+    addr = config.memory_keeper if config.memory_tier else ""  # nothing to restore else
     staging = Staging(
         rank=rank,
         regions=config.regions,
