@@ -35,6 +35,7 @@ import contextlib
 import contextvars
 import copy
 import logging
+import math
 import mmap
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -73,17 +74,10 @@ def spare_bytes(saved: Saved) -> int:
     non-scalar tensor under an ``<key>.state.`` prefix (an upper bound: another key may hold
     such a name)."""
     return sum(
-        _aligned(dtype.itemsize * _numel(shape))
+        _aligned(dtype.itemsize * math.prod(shape))
         for flat, (dtype, shape) in saved.tensors.items()
         if shape and f".{STATE}." in flat
     )
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
 
 
 class Pool:
@@ -133,7 +127,7 @@ class Pool:
     def take(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
         """An uninitialized CPU tensor of ``shape`` in the pool (its own storage), or None
         when it does not fit what is left."""
-        numel = _numel(shape)
+        numel = math.prod(shape)
         nbytes = numel * dtype.itemsize
         if self._mm is None or not nbytes or self.used + nbytes > self.size:
             return None
@@ -155,11 +149,6 @@ class Pool:
 
 
 _pool: contextvars.ContextVar[Pool | None] = contextvars.ContextVar("freshopt_pool", default=None)
-
-
-def current_pool() -> Pool | None:
-    """The pool of the enclosing ``carving``, if any."""
-    return _pool.get()
 
 
 @contextlib.contextmanager

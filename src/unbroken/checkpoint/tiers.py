@@ -239,18 +239,16 @@ def _newest(
         return None, held, "nothing in memory" if not any(held) else "no step every rank holds"
     reasons = []
     for step in sorted(common, reverse=True):
-        pending, verdict = None, None
+        pending, verdict, known = None, None, False
         t1 = time.perf_counter()
         try:
             pending = memory.prepare(state, snaps[step], rank=rank)
             t2 = time.perf_counter()
             timings["prepare_s"] += t2 - t1
-            if verify:
-                known, verdict = (False, None)
-                if warm is not None and not untrusted:
-                    known, verdict = warm.verdict(snaps[step], ring)
-                if not known:
-                    verdict = memory.verify(snaps[step], untrusted=untrusted)
+            if warm is not None and not untrusted:  # checked by the warm-up already?
+                known, verdict = warm.verdict(snaps[step], ring)
+            if verify and not known:
+                verdict = memory.verify(snaps[step], untrusted=untrusted)
             timings["verify_s"] = timings.get("verify_s", 0.0) + time.perf_counter() - t2
         except memory.Mismatch as e:
             verdict = f"step {step} does not fit: {e}"
@@ -263,10 +261,8 @@ def _newest(
             continue
         assert pending is not None
         t4 = time.perf_counter()
-        pool = freshopt.current_pool()
-        known = warm is not None and not untrusted and warm.verdict(snaps[step], ring)[0]
-        if pool is not None and known:  # its copy may be there already (``Warm``)
-            pending.apply(done=functools.partial(_filled, pool, _id(snaps[step])))
+        if known and warm is not None and warm.pool is not None:  # copied ahead (``Warm``)?
+            pending.apply(done=functools.partial(_filled, warm.pool, _id(snaps[step])))
         else:
             pending.apply()
         timings["copy_s"] = time.perf_counter() - t4
