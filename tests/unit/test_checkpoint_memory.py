@@ -4,10 +4,12 @@ handing an arena from one process to the next."""
 
 from __future__ import annotations
 
+import functools
 import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -21,7 +23,9 @@ from unbroken.launcher.keeper import MemoryKeeper
 from unbroken.ledger import Ledger, read_events
 
 
-def _ring_with(steps: list[int]) -> tuple[Arena, memory.Ring, list[memory.Snapshot]]:
+def _ring_with(
+    steps: list[int], *, fqn: str = "w", rank: int = 0, world_size: int = 1
+) -> tuple[Arena, memory.Ring, list[memory.Snapshot]]:
     """An arena of three regions holding ``steps`` (one tensor each: a ramp of step + i)."""
     slots, total = plan_slots([(torch.float32, (256,), 1024)])
     ring = memory.Ring.sized(3, total, 0, None)
@@ -34,8 +38,8 @@ def _ring_with(steps: list[int]) -> tuple[Arena, memory.Ring, list[memory.Snapsh
         slot = Slot(base + slots[0].offset, 1024, torch.float32, (256,))
         copy_into(arena, [(torch.arange(256, dtype=torch.float32) + step, slot)])
         snap = memory.Snapshot(
-            step=step, rank=0, world_size=1, arena=arena, region=region,
-            tensors=[(MetadataIndex("w"), slot)], payloads=[(MetadataIndex("p"), b"x")],
+            step=step, rank=rank, world_size=world_size, arena=arena, region=region,
+            tensors=[(MetadataIndex(fqn), slot)], payloads=[(MetadataIndex("p"), b"x")],
             digests=[], seq=region + 1,
         )  # fmt: skip
         memory.seal(snap, ring)
@@ -95,6 +99,36 @@ def test_a_warm_verdict_holds_only_for_the_snapshot_it_checked() -> None:
     assert newest.step == 7 and warm.verdict(newest, ring) == (False, None)
     assert warm.verdict(held[2], ring) == (False, None)  # step 4's region holds step 7 now
     arena.close()
+
+
+def test_the_warm_up_fills_the_step_the_nodes_other_ranks_hold_too(tmp_path: Path) -> None:
+    # Rank 0 outlived rank 1 by a step: it holds 6, 5, 4 and rank 1 5, 4. The restore's
+    # all-gather will agree on 5, so the warm-up copies step 5's optimizer state ahead.
+    root, fqn = tmp_path / "ckpt", "optim.state.w.exp_avg"
+    mine, _, _ = _ring_with([4, 5, 6], fqn=fqn, rank=0, world_size=2)
+    theirs, _, _ = _ring_with([4, 5], fqn=fqn, rank=1, world_size=2)
+    unrelated, _, _ = _ring_with([1], fqn=fqn, rank=1, world_size=2)
+    kept = MemoryKeeper()
+    try:
+        for key, arena in [(tiers._key(root, 0), mine), (tiers._key(root, 1), theirs)]:
+            assert keeper.put(kept.addr, key, arena.fd)
+        assert keeper.put(kept.addr, tiers._key(tmp_path / "ckpt2", 1), unrelated.fd)
+        assert tiers._held_nearby(kept.addr, root, 0) == [{4, 5}]
+
+        def filled(others: Any = list) -> set[int]:
+            warm = tiers.Warm(mine, 0, others)
+            warm.wait()
+            assert warm.pool is not None
+            steps = {tag[0][1] for tag in warm.pool._filled.values()}
+            warm.pool.close()
+            return steps
+
+        assert filled(functools.partial(tiers._held_nearby, kept.addr, root, 0)) == {5}
+        assert filled() == {6}  # no other rank known: the newest
+    finally:
+        kept.close()
+        for arena in (mine, theirs, unrelated):
+            arena.close()
 
 
 def test_an_arena_without_a_ring_holds_nothing() -> None:

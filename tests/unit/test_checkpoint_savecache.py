@@ -98,6 +98,7 @@ CHANGES: dict[str, tuple[Change, bool]] = {
     ),
     "buffer added": (_buffer_added, True),
     "module removed": (_remove_module, True),
+    "module replaced under its name": (lambda m, o: m.__setitem__(1, nn.Tanh()), True),
     "module and param group added": (_add_group, True),
     "group key added": (lambda m, o: o.param_groups[0].__setitem__("initial_lr", 0.05), True),
     "learning rate changed": (lambda m, o: o.param_groups[0].__setitem__("lr", 0.01), False),

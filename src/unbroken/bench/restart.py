@@ -10,12 +10,15 @@ one fault hits rank 1 mid-training:
 
 The script runs with ``--no-inprocess`` (its in-process restart layer off) unless
 ``--inprocess``: this benchmark compares launchers. With ``--ckpt-every``/``--snapshot-every``
-the script checkpoints, and each trial also reports the restarted ranks' restore: the longest
-``ckpt_load`` of the restart and its tier (``memory`` when the agent kept the dead rank's
-snapshots), and of a memory restore the part that reads memory back (``read``: checking the
-digests and copying into the live state, the fresh optimizer's new pages faulted in; the rest
-is agreeing with the other rank and matching the live state), e.g. ``--launchers
-unbroken --faults sigkill --model small --snapshot-every 1 --hang-timeout-s 30``. Recovery is measured from the ledger alone:
+the script checkpoints, and each trial also reports the restarted ranks' restore: its
+critical path (``restore``: from the last rank's start of its ``ckpt_load`` to the last one's
+end; ``restore_path``), how far apart the ranks started it (``wait``: the earlier one waits in
+the first all-gather for a model still being built), its tier (``memory`` when the agent kept
+the dead rank's snapshots), and of a memory restore the part that reads memory back (``read``:
+checking the digests and copying into the live state, the fresh optimizer's new pages faulted
+in; the rest is agreeing with the other rank and matching the live state), e.g.
+``--launchers unbroken --faults sigkill --model small --snapshot-every 1 --hang-timeout-s
+30``. Recovery is measured from the ledger alone:
 fault time -> the end of the first step that every rank completes after it
 (``goodput.compute``'s ``recovery_s``); ``detect_s`` is the first detection's latency. Both
 launchers run the same script, with torchrun given
@@ -234,13 +237,31 @@ def _trial(launcher: str, fault: str, run_dir: Path, args: argparse.Namespace) -
         "returncode": proc.returncode,
         "recovery_s": None if f is None else f.recovery_s,
         "detect_s": None if f is None else f.detection_s,
-        "restore_s": max((e.dur_s or 0.0 for e in loads), default=None),
+        **restore_path(loads),
         "restore_tier": ",".join(sorted({str(e.get("tier")) for e in loads})) or None,
         "read_s": max(
             (e.get("verify_s", 0.0) + e.get("copy_s", 0.0) for e in loads if "copy_s" in e.data),
             default=None,
         ),
         "output_tail": output[-1500:] if proc.returncode != 0 else "",
+    }
+
+
+def restore_path(loads: list[Event]) -> dict[str, float | None]:
+    """The restart's restore as the job waits for it, from the ranks' ``ckpt_load`` records of
+    its first restarted attempt: ``restore_s`` from the moment the last rank starts restoring to
+    the moment the last one is done (its critical path: a rank that starts earlier waits in the
+    first all-gather for the others, still building their models), ``restore_wait_s`` how much
+    earlier the first rank started, ``restore_rank_s`` the longest record (that wait included)."""
+    if not loads:
+        return {"restore_s": None, "restore_wait_s": None, "restore_rank_s": None}
+    first = min(e.attempt for e in loads)
+    mine = [e for e in loads if e.attempt == first]
+    begins = [e.ts - (e.dur_s or 0.0) for e in mine]
+    return {
+        "restore_s": max(e.ts for e in mine) - max(begins),
+        "restore_wait_s": max(begins) - min(begins),
+        "restore_rank_s": max(e.dur_s or 0.0 for e in mine),
     }
 
 
@@ -268,12 +289,20 @@ def _summary(
         "hang_cap_s": args.hang_cap_s if fault == "sigstop" else None,
         "restore_s": [t.get("restore_s") for t in trials],
         "restore_median_s": statistics.median(restores) if restores else None,
+        "restore_wait_s": [t.get("restore_wait_s") for t in trials],
+        "restore_rank_s": [t.get("restore_rank_s") for t in trials],
+        "restore_wait_median_s": _median([t.get("restore_wait_s") for t in trials]),
         "read_s": [t.get("read_s") for t in trials],
         "read_median_s": statistics.median(reads) if reads else None,
         "restore_tiers": sorted({t["restore_tier"] for t in trials if t.get("restore_tier")}),
         "model": args.model,
         "warm_pool": launcher == "unbroken" and not args.no_warm_pool,
     }
+
+
+def _median(xs: list[float | None]) -> float | None:
+    known = [x for x in xs if x is not None]
+    return statistics.median(known) if known else None
 
 
 def _fmt(x: float | None) -> str:
@@ -303,7 +332,8 @@ def main(args: argparse.Namespace) -> int:
                         f" s, detection {_fmt(t['detect_s'])} s, exit {t['returncode']}"
                         + (
                             f", restore {_fmt(t['restore_s'])} s from {t['restore_tier']}"
-                            f" (read {_fmt(t['read_s'])} s)"
+                            f" (read {_fmt(t['read_s'])} s, ranks started"
+                            f" {_fmt(t['restore_wait_s'])} s apart)"
                             if t["restore_s"] is not None
                             else ""
                         ),
@@ -317,14 +347,16 @@ def main(args: argparse.Namespace) -> int:
     rows = [_summary(lc, f, ts, args) for (lc, f), ts in results.items()]
     print(
         f"\n{'launcher':<9} {'fault':<8} {'recovered':>9} {'median s':>9} {'max s':>8} "
-        f"{'detect s':>9} {'restore s':>9} {'read s':>7} {'tier':<8}  (model {args.model}, hang timeout "
+        f"{'detect s':>9} {'restore s':>9} {'wait s':>7} {'read s':>7} {'tier':<8}  (model "
+        f"{args.model}, hang timeout "
         f"{args.hang_timeout_s} s)"
     )
     for r in rows:
         print(
             f"{r['launcher']:<9} {r['fault']:<8} {r['recovered']:>4}/{r['trials']:<4} "
             f"{_fmt(r['median_s']):>9} {_fmt(r['max_s']):>8} {_fmt(r['detect_median_s']):>9} "
-            f"{_fmt(r['restore_median_s']):>9} {_fmt(r['read_median_s']):>7} "
+            f"{_fmt(r['restore_median_s']):>9} {_fmt(r['restore_wait_median_s']):>7} "
+            f"{_fmt(r['read_median_s']):>7} "
             f"{','.join(r['restore_tiers']) or '-':<8}"
         )
     if args.json:

@@ -13,11 +13,12 @@ from __future__ import annotations
 import json
 import logging
 import socket
+from typing import Any
 
 logger = logging.getLogger(__name__)
 
 _TIMEOUT_S = 2.0
-_MAX_MSG = 4096
+_MAX_MSG = 65536  # a reply: the keys of a node's ranks fit
 
 
 def _address(addr: str) -> str:
@@ -26,7 +27,7 @@ def _address(addr: str) -> str:
 
 def _ask(
     addr: str, msg: dict[str, str], fd: int | None = None
-) -> tuple[dict[str, str], int | None]:
+) -> tuple[dict[str, Any], int | None]:
     with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as sock:
         sock.settimeout(_TIMEOUT_S)
         sock.connect(_address(addr))
@@ -57,3 +58,15 @@ def get(addr: str, key: str) -> int | None:
         logger.warning("memory keeper %s unreachable: %s", addr, e)
         return None
     return fd
+
+
+def keys(addr: str, prefix: str) -> list[str]:
+    """The keys the keeper at ``addr`` holds that start with ``prefix`` ([] when it could not
+    be reached or the reply does not fit a message)."""
+    try:
+        reply, _ = _ask(addr, {"op": "keys", "key": prefix})
+    except (OSError, ValueError) as e:
+        logger.warning("memory keeper %s unreachable: %s", addr, e)
+        return []
+    held = reply.get("keys")
+    return [str(k) for k in held] if isinstance(held, list) else []

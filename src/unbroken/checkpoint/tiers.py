@@ -9,9 +9,11 @@ newest step every rank holds in memory, checked, or says why not (then: disk); s
 
 An arena adopted from the keeper is warmed on a thread (``Warm``) while the new process goes
 on (in ``unbroken.workload`` it builds its model meanwhile): its snapshots' digests are
-checked (which also maps the arena's pages), and a ``freshopt.Pool`` the size of the newest
-one's optimizer state is faulted in and filled with that state, for ``from_memory`` to carve
-the fresh optimizer state from (its copy then skips what is there already); ``from_memory``
+checked (which also maps the arena's pages), and a ``freshopt.Pool`` the size of one
+snapshot's optimizer state is faulted in and filled with that state, for ``from_memory`` to carve
+the fresh optimizer state from (its copy then skips what is there already). The snapshot is
+the newest one that the node's other ranks hold too (their arenas' headers, from the keeper):
+the step the restore's all-gather will most likely agree on. ``from_memory``
 waits for what is left of it (in ``prepare_s``). What moved: the page faults of the fresh
 optimizer state, its copy and the digests, from the restore to the time the new process
 builds its model (with a Checkpointer made first, as ``unbroken.workload`` does); with
@@ -27,7 +29,7 @@ import logging
 import threading
 import time
 import weakref
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -42,7 +44,7 @@ logger = logging.getLogger(__name__)
 
 
 def _key(root: Path, rank: int) -> str:
-    return f"{root}#rank{rank}"
+    return f"{root}#rank{rank}"  # the keeper's key (``_held_nearby`` lists them by prefix)
 
 
 def adopt(root: Path, config: CheckpointConfig, *, rank: int) -> tuple[Arena | None, str | None]:
@@ -60,7 +62,8 @@ def adopt(root: Path, config: CheckpointConfig, *, rank: int) -> tuple[Arena | N
         except (OSError, ValueError) as e:
             logger.warning("the arena the memory keeper held is unusable: %s", e)
         else:
-            _warming[arena] = Warm(arena, rank)
+            others = functools.partial(_held_nearby, config.memory_keeper, root, rank)
+            _warming[arena] = Warm(arena, rank, others)
             return arena, "keeper"
     if len(config.peers) < 2:
         return None, None
@@ -95,38 +98,67 @@ def staging_for(
     return staging, origin, replicator
 
 
+def _held_nearby(addr: str, root: Path, rank: int) -> list[set[int]]:
+    """The steps sealed in each arena the node's keeper holds for the other ranks of ``root``
+    (a hint for ``Warm``: their headers only, nothing checked)."""
+    out = []
+    for key in keeper.keys(addr, f"{root}#rank"):
+        if key == _key(root, rank):
+            continue
+        fd = keeper.get(addr, key)
+        if fd is None:
+            continue
+        arena = Arena.adopt(fd, name="unbroken-peek")
+        try:
+            ring = memory.read_ring(arena)
+            sealed = [memory.sealed_as(arena, ring, r) for r in range(ring.regions)] if ring else []
+            out.append({s[0] for s in sealed if s is not None})
+        finally:
+            arena.close()
+    return out
+
+
 class Warm:
     """The warming of an adopted arena (see the module docstring), on a thread of its own."""
 
-    def __init__(self, arena: Arena, rank: int) -> None:
+    def __init__(
+        self, arena: Arena, rank: int, others: Callable[[], list[set[int]]] = list
+    ) -> None:
         self.verdicts: dict[tuple[int, int, int], str | None] = {}
         """(region, step, sequence number) -> ``memory.verify``'s verdict."""
         self.pool: freshopt.Pool | None = None
+        self.target: int | None = None
+        """The step whose optimizer state the pool holds (filled for)."""
         self._thread = threading.Thread(
-            target=self._run, args=(arena, rank), name="unbroken-warm", daemon=True
+            target=self._run, args=(arena, rank, others), name="unbroken-warm", daemon=True
         )
         self._thread.start()
 
-    def _run(self, arena: Arena, rank: int) -> None:
+    def _run(self, arena: Arena, rank: int, others: Callable[[], list[set[int]]]) -> None:
         try:
             _, found = memory.read(arena)
             mine = [s for s in found if s.rank == rank]
-            if mine:
-                saved = {i.fqn: (s.dtype, s.shape) for i, s in mine[0].tensors}
-                size = freshopt.spare_bytes(freshopt.Saved(tensors=saved, values=()))
-                if size:
-                    pool = freshopt.Pool(size)
-                    pool.fault_in()
-                    self.pool = pool
+            if not mine:
+                return
+            # The snapshot the restore will most likely agree on: the newest that this node's
+            # other ranks hold too (one that outlived the rank that died may be a step ahead).
+            held = others()
+            target = next((s for s in mine if all(s.step in h for h in held)), mine[0])
+            self.target = target.step
+            saved = {i.fqn: (s.dtype, s.shape) for i, s in target.tensors}
+            size = freshopt.spare_bytes(freshopt.Saved(tensors=saved, values=()))
+            if size:
+                pool = freshopt.Pool(size)
+                pool.fault_in()
+                self.pool = pool
             for snap in mine:
                 self.verdicts[_id(snap)] = memory.verify(snap)
-            if self.pool is not None and self.verdicts[_id(mine[0])] is None:
-                # The newest snapshot's optimizer state, where its fresh state will be carved.
-                newest = mine[0]
+            if self.pool is not None and self.verdicts[_id(target)] is None:
+                # Its optimizer state, where its fresh state will be carved.
                 self.pool.fill(
                     [
-                        ((_id(newest), slot), newest.arena.view(slot))
-                        for i, slot in newest.tensors
+                        ((_id(target), slot), target.arena.view(slot))
+                        for i, slot in target.tensors
                         if slot.shape and f".{freshopt.STATE}." in i.fqn
                     ]
                 )
@@ -231,37 +263,52 @@ def _newest(
         for snap in found:
             if (snap.rank, snap.world_size) == (rank, world_size):
                 snaps.setdefault(snap.step, snap)
+    # Before the all-gather (a rank that comes first does it while it waits for the others):
+    # the step this rank expects to restore (the warm-up's, else its newest), matched with the
+    # live state, and every verdict known without reading the bytes. When every rank expects
+    # the step they agree on and knows its verdict, that one gather decides.
+    t1 = time.perf_counter()
+    guess = warm.target if warm is not None and warm.target in snaps else max(snaps, default=None)
+    ready: memory.Pending | None = None
+    known: dict[int, str | None] = {}
+    if guess is not None:
+        try:
+            ready = memory.prepare(state, snaps[guess], rank=rank)
+        except memory.Mismatch:
+            guess = None  # the round below says why
+        for step, snap in snaps.items():
+            if not verify:
+                known[step] = None
+            elif warm is not None and not untrusted:
+                is_known, verdict = warm.verdict(snap, ring)
+                if is_known:
+                    known[step] = verdict
+    timings["prepare_s"] += time.perf_counter() - t1
     t0 = time.perf_counter()
-    held = _gather(sorted(snaps, reverse=True), world_size)
+    gathered = _gather((sorted(snaps, reverse=True), guess, known), world_size)
     timings["gather_s"] = time.perf_counter() - t0
+    held = [g[0] for g in gathered]
     common = set(held[0]).intersection(*held[1:])
     if not common:
         return None, held, "nothing in memory" if not any(held) else "no step every rank holds"
     reasons = []
     for step in sorted(common, reverse=True):
-        pending, verdict, known = None, None, False
-        t1 = time.perf_counter()
-        try:
-            pending = memory.prepare(state, snaps[step], rank=rank)
-            t2 = time.perf_counter()
-            timings["prepare_s"] += t2 - t1
-            if warm is not None and not untrusted:  # checked by the warm-up already?
-                known, verdict = warm.verdict(snaps[step], ring)
-            if verify and not known:
-                verdict = memory.verify(snaps[step], untrusted=untrusted)
-            timings["verify_s"] = timings.get("verify_s", 0.0) + time.perf_counter() - t2
-        except memory.Mismatch as e:
-            verdict = f"step {step} does not fit: {e}"
-        t3 = time.perf_counter()
-        bad = [f"rank {r}: {v}" for r, v in enumerate(_gather(verdict, world_size)) if v]
-        timings["gather_s"] += time.perf_counter() - t3
+        if all(g[1] == step and step in g[2] for g in gathered):  # decided by the one gather
+            pending: memory.Pending | None = ready
+            bad = [f"rank {r}: {g[2][step]}" for r, g in enumerate(gathered) if g[2][step]]
+            known_here = True
+        else:
+            pending, bad, known_here = _agree(
+                state, snaps[step], rank, world_size, verify, timings, untrusted, warm, ring,
+                ready if step == guess else None,
+            )  # fmt: skip
         if bad:
             logger.warning("in-memory snapshot of step %d not used: %s", step, bad)
             reasons.append("; ".join(bad))
             continue
         assert pending is not None
         t4 = time.perf_counter()
-        if known and warm is not None and warm.pool is not None:  # copied ahead (``Warm``)?
+        if known_here and warm is not None and warm.pool is not None:  # copied ahead?
             pending.apply(done=functools.partial(_filled, warm.pool, _id(snaps[step])))
         else:
             pending.apply()
@@ -274,3 +321,38 @@ def _newest(
             why += f" (newer ones rejected: {' | '.join(reasons)})"
         return step, held, why
     return None, held, " | ".join(reasons)
+
+
+def _agree(
+    state: Mapping[str, Any],
+    snap: memory.Snapshot,
+    rank: int,
+    world_size: int,
+    verify: bool,
+    timings: dict[str, float],
+    untrusted: bool,
+    warm: Warm | None,
+    ring: memory.Ring | None,
+    ready: memory.Pending | None,
+) -> tuple[memory.Pending | None, list[str], bool]:
+    """One more round for ``snap``'s step: match it with the live state (unless ``ready``),
+    check its digests where needed, and gather every rank's verdict; returns the match, the
+    ranks' complaints (none: use it) and whether this rank's verdict came from the warm-up."""
+    pending, verdict, known = ready, None, False
+    t1 = time.perf_counter()
+    try:
+        if pending is None:
+            pending = memory.prepare(state, snap, rank=rank)
+        t2 = time.perf_counter()
+        timings["prepare_s"] += t2 - t1
+        if warm is not None and not untrusted:  # checked by the warm-up already?
+            known, verdict = warm.verdict(snap, ring)
+        if verify and not known:
+            verdict = memory.verify(snap, untrusted=untrusted)
+        timings["verify_s"] = timings.get("verify_s", 0.0) + time.perf_counter() - t2
+    except memory.Mismatch as e:
+        verdict = f"step {snap.step} does not fit: {e}"
+    t3 = time.perf_counter()
+    bad = [f"rank {r}: {v}" for r, v in enumerate(_gather(verdict, world_size)) if v]
+    timings["gather_s"] += time.perf_counter() - t3
+    return pending, bad, known

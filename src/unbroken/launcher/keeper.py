@@ -2,7 +2,8 @@
 
 A worker hands the keeper its arena's memfd when it allocates one (``put``, keyed by checkpoint
 directory and rank); the next process of that rank asks for it (``get``) and restores its newest
-snapshot from memory instead of disk (``unbroken.checkpoint.memory``). The keeper never maps
+snapshot from memory instead of disk (``unbroken.checkpoint.memory``); ``keys`` lists the keys
+held under a prefix (a restarted worker looks at its node's other ranks). The keeper never maps
 the memory: it only holds the descriptors, closes the one a ``put`` replaces, and closes all
 at the end of the job. memfds have no name, so nothing is left in /dev/shm whatever happens to
 the agent: a SIGKILLed agent's descriptors close with it and the kernel frees the memory.
@@ -125,6 +126,10 @@ class MemoryKeeper:
             finally:
                 if dup is not None:
                     os.close(dup)
+        elif op == "keys":  # the keys it holds that start with ``key``
+            with self._lock:
+                held = sorted(k for k in self._held if k.startswith(key))
+            socket.send_fds(conn, [json.dumps({"ok": "yes", "keys": held}).encode()], [])
         else:
             for fd in fds:
                 os.close(fd)
