@@ -271,8 +271,6 @@ def _summary(
     rec = [t["recovery_s"] for t in trials]
     ok = [r for r in rec if r is not None]
     det = [t["detect_s"] for t in trials]
-    restores = [t["restore_s"] for t in trials if t.get("restore_s") is not None]
-    reads = [t["read_s"] for t in trials if t.get("read_s") is not None]
     return {
         "launcher": launcher,
         "fault": fault,
@@ -288,12 +286,12 @@ def _summary(
         "heartbeat_timeout_s": args.hang_timeout_s if launcher == "unbroken" else None,
         "hang_cap_s": args.hang_cap_s if fault == "sigstop" else None,
         "restore_s": [t.get("restore_s") for t in trials],
-        "restore_median_s": statistics.median(restores) if restores else None,
+        "restore_median_s": _median([t.get("restore_s") for t in trials]),
         "restore_wait_s": [t.get("restore_wait_s") for t in trials],
         "restore_rank_s": [t.get("restore_rank_s") for t in trials],
         "restore_wait_median_s": _median([t.get("restore_wait_s") for t in trials]),
         "read_s": [t.get("read_s") for t in trials],
-        "read_median_s": statistics.median(reads) if reads else None,
+        "read_median_s": _median([t.get("read_s") for t in trials]),
         "restore_tiers": sorted({t["restore_tier"] for t in trials if t.get("restore_tier")}),
         "model": args.model,
         "warm_pool": launcher == "unbroken" and not args.no_warm_pool,

@@ -9,7 +9,8 @@ of their leaves lives in the live objects (a module's ``_parameters``/``_buffers
 optimizer's ``state[param]`` dict or a ``param_groups`` dict) and the items resolved for it;
 a later save checks that every leaf is still the same tensor object with the same storage,
 shape and dtype, and that no module, parameter, buffer, optimizer state or parameter group
-was added, removed or replaced (~0.1 ms, one C-level pass per column), and then reuses the items. Non-tensor leaves (a
+was added, removed or replaced, and then reuses the items (for ``tiny``'s ~250 objects: 0.15 ms
+with warm caches, ~0.45 ms right after an optimizer step, cache misses). Non-tensor leaves (a
 learning rate) are read afresh and re-serialized when they changed. Any check that fails
 makes the caller resolve from scratch and learn a new plan.
 
@@ -138,8 +139,7 @@ class Plan:
     states: tuple[list[Any], ...] = field(default_factory=lambda: ([], [], [], []))
     """Columns: an optimizer's state, a parameter, its state dict, the dict's size."""
     leaves: list[Leaf] = field(default_factory=list)
-    # The checks, column by column: each is one C-level ``map`` over a list (a Python loop
-    # over ~150 leaves and ~50 modules took 0.5 ms right after a training step, ~4x idle).
+    # The checks, column by column: each one C-level ``map`` over a list.
     _containers: list[dict[Any, Any]] = field(default_factory=list)
     _keys: list[Any] = field(default_factory=list)
     _objs: list[torch.Tensor] = field(default_factory=list)
@@ -171,9 +171,9 @@ class Plan:
         for table, get in zip(tables, _TABLES, strict=True):
             if not all(map(operator.is_, map(get, mods), table)):
                 return False
-        if list(map(len, tables[0])) != sizes[0] or list(map(len, tables[1])) != sizes[1]:
+        if [list(map(len, table)) for table in tables] != list(sizes):
             return False
-        if list(map(len, tables[2])) != sizes[2] or not _same(*self._children):
+        if not _same(*self._children):
             return False
         for optim, opt_state, n, groups in self.optims:
             if optim.state is not opt_state or len(opt_state) != n:

@@ -108,7 +108,10 @@ def _held_nearby(addr: str, root: Path, rank: int) -> list[set[int]]:
         fd = keeper.get(addr, key)
         if fd is None:
             continue
-        arena = Arena.adopt(fd, name="unbroken-peek")
+        try:
+            arena = Arena.adopt(fd, name="unbroken-peek")
+        except (OSError, ValueError):
+            continue  # unusable: that rank's own restore says why
         try:
             ring = memory.read_ring(arena)
             sealed = [memory.sealed_as(arena, ring, r) for r in range(ring.regions)] if ring else []
