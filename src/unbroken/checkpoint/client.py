@@ -164,6 +164,7 @@ class WriterClient:
         commit_timeout_s: float,
         throttle_bytes_per_s: float,
         nice: int,
+        idle: bool = False,
         start: WriterStart = "auto",
         on_message: Callable[[dict[str, Any]], None],
         on_death: Callable[[str], None],
@@ -196,6 +197,7 @@ class WriterClient:
             str(throttle_bytes_per_s),
             "--nice",
             str(nice),
+            *(["--idle"] if idle else []),
         ]
         # PR_SET_PDEATHSIG fires when the *thread* that forked the child exits; only ask for it
         # from the main thread, which lives as long as the process.

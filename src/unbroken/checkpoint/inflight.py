@@ -115,6 +115,7 @@ class Inflight:
                 commit_timeout_s=self.config.persist_timeout_s,
                 throttle_bytes_per_s=self.config.throttle_mbps * 1e6,
                 nice=self.config.writer_nice,
+                idle=self.config.writer_idle,
                 start=self.config.writer_start,
                 on_message=self._on_message,
                 on_death=self._on_death,

@@ -347,10 +347,45 @@ class Writer:
         return rate
 
 
-def lower_priority(nice: int) -> None:
-    """The writer is background work: raise its niceness by ``nice`` (0: leave it as is)."""
+def lower_priority(nice: int, *, idle: bool = False) -> None:
+    """The writer is background work: where cores are short, training gets them first.
+
+    Linux shares the CPU between autogroups (one per session, where the kernel has them on)
+    before it weighs a process's niceness or policy, so both stop at the trainer's session:
+    a persisting writer then takes its share from the *other* ranks' trainers. So the writer
+    leaves its trainer's session for one of its own, whose autogroup (the writer alone) gets
+    the lowest share, niceness 19; then ``nice`` is added to its own niceness, and with
+    ``idle`` it runs as SCHED_IDLE (on what the trainers leave). Measured on 2 cores with 2
+    ranks: the step after a durable save was 63-75 ms slower with the niceness alone, 44-46 ms
+    with its own autogroup too, 27-29 ms with SCHED_IDLE as well."""
+    if not nice and not idle:
+        return
+    with contextlib.suppress(OSError):  # a session leader already (a spawned writer run alone)
+        os.setsid()
+    _autogroup_nice(19)
     if nice:
         os.nice(nice)
+    if idle:
+        try:
+            os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+        except (OSError, AttributeError) as e:  # not Linux
+            logger.debug("SCHED_IDLE unavailable: %s", e)
+
+
+def _autogroup_nice(nice: int) -> None:
+    """Give this session's autogroup ``nice``; nothing where the kernel has no autogroups. An
+    unprivileged caller may set one only every 100 ms machine-wide: retried for 0.5 s."""
+    for _ in range(5):
+        try:
+            with open("/proc/self/autogroup", "w") as f:
+                f.write(str(nice))
+            return
+        except BlockingIOError:
+            time.sleep(0.1)
+        except OSError as e:  # no autogroups here (or not allowed): niceness alone
+            logger.debug("autogroup niceness not set: %s", e)
+            return
+    logger.debug("autogroup niceness not set: busy for 0.5 s")
 
 
 def _rss_bytes() -> int:
@@ -373,9 +408,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--commit-timeout-s", type=float, required=True)
     p.add_argument("--throttle-bytes-per-s", type=float, default=0.0)
     p.add_argument("--nice", type=int, default=0, help="niceness to add (background work)")
+    p.add_argument("--idle", action="store_true", help="run as SCHED_IDLE (background work)")
     args = p.parse_args(argv)
     _die_with_parent(args.parent_pid, pdeathsig=args.pdeathsig)
-    lower_priority(args.nice)
+    lower_priority(args.nice, idle=args.idle)
     init_logging(logging.WARNING)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the trainer, which closes us
     sock = socket.socket(fileno=args.fd)
