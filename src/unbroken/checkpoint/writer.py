@@ -10,7 +10,9 @@ computed on the way), fsyncs it, and drops its done record. Rank 0's writer is t
 it then waits for every rank's record and publishes the checkpoint (``commit.publish``).
 
 It never outlives its trainer: PR_SET_PDEATHSIG kills it with its parent, a watchdog thread
-exits when the parent pid changes, and the main loop exits at the socket's end of stream.
+exits when the parent pid changes, and the main loop exits at the socket's end of stream. It
+is background work: a session (and so an autogroup) of its own at the lowest share, SCHED_IDLE
+and its niceness (``lower_priority``), so that where cores are short the trainers get them.
 
 Fault and test hooks (``hooks.WriterHooks``) come from the trainer as a message; the writer
 reads no control file or environment variable of its own.
@@ -43,6 +45,7 @@ logger = logging.getLogger("unbroken.checkpoint.writer")
 
 _PR_SET_PDEATHSIG = 1
 _WRITE_SLICE = 4 << 20
+_BUFFER = 1 << 20
 _ABORT_CHECK_BYTES = 64 << 20
 
 
@@ -84,13 +87,22 @@ class _Abort(Exception):
 
 
 class ChecksumWriter(io.RawIOBase):
-    """A write-only stream over a file descriptor that computes CRC-32 and can cap the rate."""
+    """A write-only stream over a file descriptor that computes CRC-32 and can cap the rate.
+
+    ``torch.save`` writes a tensor's archive in ~39 pieces (headers, the pickle, the central
+    directory) and flushes once at its end: the pieces are gathered in a buffer (up to
+    ``_BUFFER`` bytes) and written with one system call at that flush. Measured on the
+    ``tiny`` model's saves, the writer's CPU per save fell from 85 to 61 ms. Call ``flush``
+    before the data must be in the file (``fsync``)."""
 
     def __init__(self, fd: int, *, bytes_per_s: float, check: Any = None) -> None:
         super().__init__()
         self.fd = fd
         self.crc = 0
         self.pos = 0
+        """Bytes written so far, buffered ones included (``tell``)."""
+        self._buf = bytearray()
+        self._written = 0
         self._rate = bytes_per_s
         self._t0 = time.monotonic()
         self._check = check
@@ -108,25 +120,40 @@ class ChecksumWriter(io.RawIOBase):
     def write(self, b: Any) -> int:
         view = memoryview(b).cast("B")
         n = len(view)
+        self.pos += n
+        if len(self._buf) + n <= _BUFFER:
+            self._buf += view
+            return n
+        self.flush()
+        self._out(view)
+        return n
+
+    def flush(self) -> None:
+        if self._buf:
+            buf, self._buf = self._buf, bytearray()
+            self._out(memoryview(buf))
+
+    def _out(self, view: memoryview) -> None:
+        n = len(view)
         for start in range(0, n, _WRITE_SLICE):
-            chunk = view[start : start + _WRITE_SLICE]
+            piece = view[start : start + _WRITE_SLICE]
+            chunk = piece
             while chunk:
                 try:
                     chunk = chunk[os.write(self.fd, chunk) :]
                 except OSError as e:
                     self.os_error = e
                     raise
-            self.crc = zlib.crc32(view[start : start + _WRITE_SLICE], self.crc)
-            self.pos += min(_WRITE_SLICE, n - start)
-            self._since_check += min(_WRITE_SLICE, n - start)
+            self.crc = zlib.crc32(piece, self.crc)
+            self._written += len(piece)
+            self._since_check += len(piece)
             if self._rate > 0:
-                ahead = self._t0 + self.pos / self._rate - time.monotonic()
+                ahead = self._t0 + self._written / self._rate - time.monotonic()
                 if ahead > 0:
                     time.sleep(ahead)
             if self._check is not None and self._since_check >= _ABORT_CHECK_BYTES:
                 self._since_check = 0
                 self._check()
-        return n
 
 
 class Writer:
@@ -307,6 +334,7 @@ class Writer:
                         raise
                     raise OSError(err.errno, err.strerror, str(part / name)) from e
                 add(wi, offset)
+            stream.flush()
             t1 = time.monotonic()
             os.fsync(fd)
             t2 = time.monotonic()
@@ -356,8 +384,9 @@ def lower_priority(nice: int, *, idle: bool = False) -> None:
     leaves its trainer's session for one of its own, whose autogroup (the writer alone) gets
     the lowest share, niceness 19; then ``nice`` is added to its own niceness, and with
     ``idle`` it runs as SCHED_IDLE (on what the trainers leave). Measured on 2 cores with 2
-    ranks: the step after a durable save was 63-75 ms slower with the niceness alone, 44-46 ms
-    with its own autogroup too, 27-29 ms with SCHED_IDLE as well."""
+    ranks (``tiny``, a save every 5 steps): the step after a durable save was 63-72 ms slower
+    with the niceness alone, 44-46 ms with its own autogroup too, 20-29 ms with SCHED_IDLE as
+    well (persisting then takes ~2x longer)."""
     if not nice and not idle:
         return
     with contextlib.suppress(OSError):  # a session leader already (a spawned writer run alone)
