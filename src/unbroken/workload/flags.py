@@ -12,6 +12,13 @@ from typing import Any
 from unbroken.workload import model as wmodel
 from unbroken.workload import saving
 
+WRITER_PRIORITIES: dict[str, tuple[int, bool]] = {
+    "idle": (10, True),
+    "nice": (10, False),
+    "equal": (0, False),
+}
+"""--writer-priority -> (the writer's niceness, SCHED_IDLE) (``CheckpointConfig``)."""
+
 
 def _int_at_least(low: int) -> Any:
     def parse(text: str) -> int:
@@ -130,6 +137,13 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["skip", "wait"],
         default="skip",
         help="a save due while the previous one persists: skip it, or wait for the previous",
+    )
+    p.add_argument(
+        "--writer-priority",
+        choices=sorted(WRITER_PRIORITIES),
+        default="idle",
+        help="the checkpoint writer: idle (default: own session at the lowest share, niceness "
+        "10, SCHED_IDLE), nice (the same without SCHED_IDLE), equal (the trainer's priority)",
     )
     p.set_defaults(job=None)  # this job's identity, set by main (job_identity)
     saving.add_flags(p)

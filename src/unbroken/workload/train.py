@@ -61,7 +61,7 @@ from unbroken.workload import data as wdata
 from unbroken.workload import model as wmodel
 from unbroken.workload import saving
 from unbroken.workload.dist import default_backend, init_process_group
-from unbroken.workload.flags import build_parser, check_args
+from unbroken.workload.flags import WRITER_PRIORITIES, build_parser, check_args
 from unbroken.workload.parallel import wrap_model
 from unbroken.workload.rng import capture_rng_state, restore_rng_state
 from unbroken.workload.rundir import claim_dirs, default_run_dir, job_identity
@@ -116,6 +116,7 @@ def _checkpointer(
     if args.ckpt_every == 0 and args.snapshot_every == 0:
         return None
     env = WorkerEnv.from_environ()
+    nice, idle = WRITER_PRIORITIES[args.writer_priority]
     return Checkpointer(
         Path(args.ckpt_dir) if args.ckpt_dir else run_dir / "ckpt",
         ledger=ledger,
@@ -132,6 +133,8 @@ def _checkpointer(
         memory_keeper=env.memory_keeper or "",
         peers=() if args.no_peer_replica else env.peers,
         peer_index=env.group_rank if env.peers else -1,
+        writer_nice=nice,
+        writer_idle=idle,
     )
 
 
