@@ -84,7 +84,7 @@ def _run(config: str, run_dir: Path, args: argparse.Namespace) -> dict[str, Any]
         "--batch-size", "8", "--seq-len", "64", "--ckpt-every", str(args.ckpt_every),
         "--snapshot-every", "0", "--writer-priority", config, "--run-dir", str(run_dir),
     ]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env = dict(os.environ, OMP_NUM_THREADS="1")
     log = run_dir.with_suffix(".log")
     with open(log, "wb") as out:
         rc = subprocess.run(cmd, env=env, stdout=out, stderr=subprocess.STDOUT).returncode
