@@ -98,3 +98,18 @@ def test_a_storage_error_is_raised_and_kept_when_the_buffer_is_written(tmp_path)
         os.close(fd)
     assert raised.value.errno == errno.EBADF
     assert stream.os_error is raised.value
+
+
+def test_closing_the_stream_drops_what_is_buffered(tmp_path):
+    """A save that failed leaves bytes in the buffer; closing the stream (as ``IOBase`` does
+    when it is collected, possibly after its descriptor number was reused) writes none."""
+    path = tmp_path / "data"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
+    try:
+        stream = ChecksumWriter(fd, bytes_per_s=0)
+        stream.write(b"x" * 100)
+        stream.close()
+    finally:
+        os.close(fd)
+    assert path.read_bytes() == b""
+    assert stream.closed

@@ -60,9 +60,10 @@ class CheckpointConfig:
     """The writer process must be ready (it imports torch) this long after it was started;
     the persist timeout of a save counts from the later of staging and writer ready."""
     writer_nice: int = 10
-    """Niceness added to the writer process and to its session's autogroup (it runs in a
-    session of its own): where cores are short, training steps get the CPU first and
-    persisting takes longer (0: same priority as the trainer)."""
+    """Niceness added to the writer process: where cores are short, training steps get the
+    CPU first and persisting takes longer. With it or ``writer_idle``, the writer also runs in
+    a session of its own whose autogroup gets niceness 19 (``writer.lower_priority``); 0 and
+    no ``writer_idle``: the trainer's session and priority."""
     writer_idle: bool = True
     """Run the writer as SCHED_IDLE (Linux): it persists on the CPU time the trainers leave."""
     throttle_mbps: float = 0.0

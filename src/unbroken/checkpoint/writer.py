@@ -99,8 +99,6 @@ class ChecksumWriter(io.RawIOBase):
         super().__init__()
         self.fd = fd
         self.crc = 0
-        self.pos = 0
-        """Bytes written so far, buffered ones included (``tell``)."""
         self._buf = bytearray()
         self._written = 0
         self._rate = bytes_per_s
@@ -114,13 +112,17 @@ class ChecksumWriter(io.RawIOBase):
     def writable(self) -> bool:
         return True
 
+    @property
+    def pos(self) -> int:
+        """Bytes written so far, buffered ones included."""
+        return self._written + len(self._buf)
+
     def tell(self) -> int:
         return self.pos
 
     def write(self, b: Any) -> int:
         view = memoryview(b).cast("B")
         n = len(view)
-        self.pos += n
         if len(self._buf) + n <= _BUFFER:
             self._buf += view
             return n
@@ -132,6 +134,13 @@ class ChecksumWriter(io.RawIOBase):
         if self._buf:
             buf, self._buf = self._buf, bytearray()
             self._out(memoryview(buf))
+
+    def close(self) -> None:
+        """Drop what is buffered without writing it: ``IOBase`` closes (and so flushes) a
+        stream when it is collected, and after a failed save the descriptor is closed and its
+        number may already belong to another file."""
+        self._buf = bytearray()
+        super().close()
 
     def _out(self, view: memoryview) -> None:
         n = len(view)

@@ -9,12 +9,13 @@ import contextlib
 import math
 from typing import Any
 
+from unbroken.checkpoint import CheckpointConfig
 from unbroken.workload import model as wmodel
 from unbroken.workload import saving
 
 WRITER_PRIORITIES: dict[str, tuple[int, bool]] = {
-    "idle": (10, True),
-    "nice": (10, False),
+    "idle": (CheckpointConfig.writer_nice, True),
+    "nice": (CheckpointConfig.writer_nice, False),
     "equal": (0, False),
 }
 """--writer-priority -> (the writer's niceness, SCHED_IDLE) (``CheckpointConfig``)."""
