@@ -4,16 +4,20 @@ noticed and resolved afresh, and a snapshot staged through reused items restores
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from unbroken.checkpoint import Checkpointer
 from unbroken.checkpoint.resolve import ResolveCache, resolve_for_save
+from unbroken.workload.model import SIZES, build_model, loss_fn
+from unbroken.workload.parallel import wrap_model
 
 Change = Callable[[nn.Sequential, torch.optim.Optimizer], None]
 
@@ -113,15 +117,17 @@ def test_the_reused_items_are_what_a_fresh_resolve_gives_after_a_change(name: st
     _step(model, optim)
     state: dict[str, Any] = {"model": model, "optim": optim, "data": Cursor()}
     cache = ResolveCache()
-    for _ in range(3):  # learn the renaming, then the plan, then reuse it
+    assert _items(state, cache) == _items(state, None)  # learns the renaming and the plan
+    assert cache.plan is not None and cache.plan.check(state, cache.plan.args)
+    for _ in range(2):  # reuses it
         assert _items(state, cache) == _items(state, None)
     plan = cache.plan
     assert plan is not None and plan.check(state, plan.args)
     change(model, optim)
     assert plan.check(state, plan.args) is not refused
-    for _ in range(2):  # the renaming relearned, then the plan
-        assert _items(state, cache) == _items(state, None)
+    assert _items(state, cache) == _items(state, None)  # the renaming and the plan relearned
     assert cache.plan is not None and cache.plan.check(state, cache.plan.args)
+    assert _items(state, cache) == _items(state, None)
     assert _items(state, cache) == _items(state, None)
 
 
@@ -196,3 +202,39 @@ def test_the_fast_flatten_is_dcps() -> None:
         assert flatten(case) == flatten_state_dict(case)
     with pytest.raises(ValueError, match="duplicated flatten key a.b"):
         flatten({"a": {"b": 1}, "a.b": 2})
+
+
+@contextlib.contextmanager
+def _gloo_group() -> Iterator[None]:
+    store = dist.TCPStore("127.0.0.1", 0, 1, True)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def _fsdp_state(seed: int) -> dict[str, Any]:
+    model = wrap_model(build_model(SIZES["tiny"], seed=seed), parallel="fsdp", device="cpu")
+    optim = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    x = torch.randint(0, SIZES["tiny"].vocab_size, (2, 16), generator=torch.Generator())
+    loss_fn(model(x), x).backward()
+    optim.step()
+    return {"model": model, "optim": optim, "data": Cursor()}
+
+
+def test_the_model_after_an_in_process_restart_reuses_items_from_its_first_save() -> None:
+    """What an in-process restart does: a new process group, a new FSDP2 model and a new
+    Checkpointer's cache. Its first save makes no write item anew (each is the one the
+    failed iteration's cache made: same name, shape, dtype, mesh layout and placements) and
+    learns the plan, which the second save reuses."""
+    with _gloo_group():
+        first = _fsdp_state(0)
+        made = resolve_for_save(first, rank=0, world_size=1, overlap=True, cache=ResolveCache())
+    with _gloo_group():
+        again, cache = _fsdp_state(1), ResolveCache()
+        got = resolve_for_save(again, rank=0, world_size=1, overlap=True, cache=cache)
+        assert cache.plan is not None and cache.plan.check(again, cache.plan.args)
+        pairs = [(a, b) for a, b in zip(made.items, got.items, strict=True) if a.tensor is not None]
+        assert pairs and all(a.write_item is b.write_item for a, b in pairs)
+        assert _items(again, cache) == _items(again, None)
