@@ -18,6 +18,9 @@ that a script adopts unbroken in a few lines and its report has every figure:
   recovery is tested with the plans that test unbroken's own, without changing the script;
 - Checkpointers that a failed ``fn`` left open are aborted, so that no writer process outlives
   its iteration and the next one restores from memory.
+- a Checkpointer's wait for a commit (``close`` after the loop, ``wait``, a sync save) is
+  a known region without progress: a "finishing" heartbeat and ``ctx.no_hang_protection``
+  around it (``unbroken.checkpoint.node.waiting``), so a long final save is no hang.
 
 ``main(fn)`` is a script's entry point: ``run``, then exit with the code the launcher expects.
 
@@ -30,13 +33,14 @@ Imports of ours: ``unbroken.errors``, ``unbroken.env``, ``unbroken.log``, ``unbr
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import logging
 import os
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, NoReturn, TypeVar
 
@@ -223,9 +227,19 @@ def _with_hooks(
             ctx.add_step_hook(injector.on_step)
         ctx.add_exit_hook(functools.partial(_abort_new, set(open_checkpointers())))
         ctx.add_exit_hook(_restarting)
-        return fn(ctx)
+        with node.provide_waiting(functools.partial(_waiting, ctx)):
+            return fn(ctx)
 
     return iteration
+
+
+@contextlib.contextmanager
+def _waiting(ctx: RestartContext) -> Iterator[None]:
+    """A Checkpointer waiting for a commit (``node.waiting``): the launcher gets its initial
+    timeout until the next step's heartbeat, and the hang watchdog waits."""
+    heartbeat(finishing=True)
+    with ctx.no_hang_protection():
+        yield
 
 
 def _restarting(error: BaseException | None) -> None:

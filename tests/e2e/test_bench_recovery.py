@@ -54,8 +54,10 @@ def test_bench_recovery_clean_vs_baseline(tmp_path: Path) -> None:
     assert rows["clean"]["recovery_s"] == [] and rows["clean"]["infra_goodput"] == 1.0
     assert len(rows["baseline"]["recovery_s"]) == 1 and rows["baseline"]["recovery_s"][0] > 0.2
     assert rows["baseline"]["training_goodput"] < rows["clean"]["training_goodput"]
-    # The gap splits into what the fault cost and what checkpointing cost (none here).
-    assert rows["clean"]["fault_cost"] == 0.0 and rows["baseline"]["fault_cost"] > 0.05
+    # The gap splits into what the fault cost and what checkpointing cost (none here); the
+    # fault's share of the wall time depends on the machine's speed, so it is compared with
+    # the gap, not with a fixed share.
+    assert rows["clean"]["fault_cost"] == 0.0 and rows["baseline"]["fault_cost"] > 0.0
     assert rows["baseline"]["checkpoint_cost"] == 0.0
     gap = rows["clean"]["training_goodput"] - rows["baseline"]["training_goodput"]
     assert rows["baseline"]["fault_cost"] > gap / 2

@@ -184,3 +184,62 @@ def test_a_bad_unbroken_faults_plan_is_a_clear_error(tmp_path: Path) -> None:
     )
     injector = job._injector(env, None)
     assert injector is not None and [f.kind for f in injector.plan.faults] == ["exception"]
+
+
+SLOW_CLOSE = """
+import torch
+import unbroken
+
+def train(ctx):
+    torch.manual_seed(0)
+    state = {{"model": torch.nn.Linear(256, 256)}}
+    # The commit of the last save takes ~1 s (0.25 MB/s), longer than the 0.3 s timeout.
+    ckpt = unbroken.Checkpointer(ctx.run_dir / "ckpt", every_steps=1, throttle_mbps=0.25)
+    for step in range(3):
+        ctx.step_done(step)
+    ckpt.save(2, state)
+    ckpt.close()
+
+unbroken.main(train, config=unbroken.RestartConfig(soft_timeout_s=0.3, max_iterations=1))
+"""
+
+
+def test_a_long_final_commit_is_no_hang(tmp_path: Path) -> None:
+    """A user's ``ckpt.close()`` after the loop, as in the README's example, waits for the
+    last save's commit longer than the soft timeout: neither the watchdog (a hang would
+    escalate: one iteration allowed) nor the launcher (told by a "finishing" heartbeat)
+    counts that wait."""
+    agent = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    agent.bind(("127.0.0.1", 0))
+    env = dict(os.environ, PYTHONPATH=str(SRC), OMP_NUM_THREADS="1")
+    for name in [k for k in env if k.startswith(("UNBROKEN_", "TORCHELASTIC_", "MASTER_"))]:
+        del env[name]
+    env["UNBROKEN_HEARTBEAT_ADDR"] = f"127.0.0.1:{agent.getsockname()[1]}"
+    try:
+        out = subprocess.run(
+            [sys.executable, "-c", SLOW_CLOSE.format()],
+            cwd=tmp_path,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert out.returncode == 0, out.stderr[-3000:]
+        agent.setblocking(False)
+        beats = []
+        while True:
+            try:
+                beats.append(json.loads(agent.recv(65536)))
+            except BlockingIOError:
+                break
+    finally:
+        agent.close()
+    (run_dir,) = (tmp_path / "runs").iterdir()
+    events = read_events(run_dir)
+    kinds = [e.kind for e in events]
+    assert ev.FAULT_DETECTED not in kinds and ev.JOB_END in kinds
+    commit = next(e for e in events if e.kind == ev.CKPT_COMMIT)
+    last_step = max(float(e.ts) for e in events if e.kind == ev.STEP)
+    assert float(commit.ts) - last_step > 0.3  # the wait was longer than the timeout
+    assert [b["step"] for b in beats if not b.get("fin")][-1] == 2
+    assert beats[-1].get("fin") is True  # then the launcher was told: finishing

@@ -195,7 +195,8 @@ class Checkpointer:
                     return False
                 durable, skipped = False, True  # still a snapshot in memory
             else:
-                self._inflight.wait_done()
+                with node.waiting():
+                    self._inflight.wait_done()
                 waited = time.time() - t0
                 busy = False
         writer = self._inflight.start_writer(self._hooks)
@@ -311,9 +312,10 @@ class Checkpointer:
         inflight = self._inflight.current
         if inflight is None:
             return
-        self._inflight.wait_done()
-        if self.rank != 0 and inflight.outcome == "persisted":
-            self._inflight.wait_commit_on_disk(inflight)
+        with node.waiting():  # no progress, for a known reason (``node``)
+            self._inflight.wait_done()
+            if self.rank != 0 and inflight.outcome == "persisted":
+                self._inflight.wait_commit_on_disk(inflight)
         self._check()
 
     def close(self) -> None:

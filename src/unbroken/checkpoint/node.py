@@ -8,12 +8,17 @@ node without naming them, as it gets the active ledger. A Checkpointer built wit
 ``config`` gets exactly that config; fields passed as keywords win over what the node offers.
 Outside ``unbroken.run`` (or under another launcher) the node offers nothing. One per process;
 set from the main thread.
+
+``unbroken.run`` also says how a Checkpointer waits for a commit (``waiting``: in ``close``,
+``wait``, a sync save, a save waiting for the last): a region without progress for a reason
+the job knows, so neither the hang watchdog nor the launcher's steady timeout counts it (a
+user's ``ckpt.close()`` after the loop needs no ``ctx.no_hang_protection()`` of its own).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -57,3 +62,23 @@ def provide(tiers: NodeTiers) -> Iterator[None]:
         yield
     finally:
         _current = previous
+
+
+Waiting = Callable[[], AbstractContextManager[None]]
+_waiting: Waiting = nullcontext
+
+
+def waiting() -> AbstractContextManager[None]:
+    """The region of a wait for a commit, as ``unbroken.run`` provides it (else nothing)."""
+    return _waiting()
+
+
+@contextmanager
+def provide_waiting(region: Waiting) -> Iterator[None]:
+    """Make ``region()`` the region of every commit wait in the enclosed block (nests)."""
+    global _waiting
+    previous, _waiting = _waiting, region
+    try:
+        yield
+    finally:
+        _waiting = previous
