@@ -65,15 +65,15 @@ def figures(run_dir: Path) -> dict[str, Any]:
     other = [d for s, d in steps.items() if s - 1 not in saved]
     if not after or not other:
         raise RuntimeError(f"{run_dir}: no step after a durable save to compare (see its log)")
-    out = {
-        "after_ms": 1e3 * statistics.median(after),
-        "other_ms": 1e3 * statistics.median(other),
+    after_ms, other_ms = 1e3 * statistics.median(after), 1e3 * statistics.median(other)
+    return {
+        "after_ms": after_ms,
+        "other_ms": other_ms,
+        "cost_ms": after_ms - other_ms,
         "mean_step_ms": 1e3 * statistics.mean(steps.values()),
         "persist_s": statistics.median(persist) if persist else None,
         "saves": len(after),
     }
-    out["cost_ms"] = out["after_ms"] - out["other_ms"]
-    return out
 
 
 def _run(config: str, run_dir: Path, args: argparse.Namespace) -> dict[str, Any]:
