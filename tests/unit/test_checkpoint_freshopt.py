@@ -15,9 +15,9 @@ from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+import groups
 from unbroken.checkpoint import Checkpointer, freshopt, memory
 from unbroken.ledger import Ledger
 from unbroken.workload.model import SIZES, build_model, loss_fn
@@ -26,12 +26,8 @@ from unbroken.workload.parallel import wrap_model
 
 @pytest.fixture
 def gloo_group() -> Iterator[None]:
-    store = dist.TCPStore("127.0.0.1", 0, 1, True)
-    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-    try:
+    with groups.gloo_group():
         yield
-    finally:
-        dist.destroy_process_group()
 
 
 def _build(parallel: str, optim_cls: Any = torch.optim.AdamW) -> tuple[Any, Any]:

@@ -4,16 +4,15 @@ noticed and resolved afresh, and a snapshot staged through reused items restores
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 
+import groups
 from unbroken.checkpoint import Checkpointer
 from unbroken.checkpoint.resolve import ResolveCache, resolve_for_save
 from unbroken.workload.model import SIZES, build_model, loss_fn
@@ -204,16 +203,6 @@ def test_the_fast_flatten_is_dcps() -> None:
         flatten({"a": {"b": 1}, "a.b": 2})
 
 
-@contextlib.contextmanager
-def _gloo_group() -> Iterator[None]:
-    store = dist.TCPStore("127.0.0.1", 0, 1, True)
-    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-
-
 def _fsdp_state(seed: int) -> dict[str, Any]:
     model = wrap_model(build_model(SIZES["tiny"], seed=seed), parallel="fsdp", device="cpu")
     optim = torch.optim.AdamW(model.parameters(), lr=3e-3)
@@ -228,10 +217,10 @@ def test_the_model_after_an_in_process_restart_reuses_items_from_its_first_save(
     Checkpointer's cache. Its first save makes no write item anew (each is the one the
     failed iteration's cache made: same name, shape, dtype, mesh layout and placements) and
     learns the plan, which the second save reuses."""
-    with _gloo_group():
+    with groups.gloo_group():
         first = _fsdp_state(0)
         made = resolve_for_save(first, rank=0, world_size=1, overlap=True, cache=ResolveCache())
-    with _gloo_group():
+    with groups.gloo_group():
         again, cache = _fsdp_state(1), ResolveCache()
         got = resolve_for_save(again, rank=0, world_size=1, overlap=True, cache=cache)
         assert cache.plan is not None and cache.plan.check(again, cache.plan.args)

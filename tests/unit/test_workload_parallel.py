@@ -4,6 +4,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+import groups
 from unbroken.workload.model import ModelConfig, build_model, loss_fn
 from unbroken.workload.parallel import wrap_model
 
@@ -14,12 +15,8 @@ CONFIG = ModelConfig(
 
 @pytest.fixture
 def gloo_group() -> Iterator[None]:
-    store = dist.TCPStore("127.0.0.1", 0, 1, True)
-    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-    try:
+    with groups.gloo_group():
         yield
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("parallel", ["fsdp", "ddp"])
