@@ -46,6 +46,8 @@ from torch import nn
 from torch.distributed.checkpoint import state_dict as _sd
 from torch.distributed.tensor import DTensor
 
+from unbroken.checkpoint import naming
+
 logger = logging.getLogger(__name__)
 
 STATE, GROUPS, PARAMS = "state", "param_groups", "params"
@@ -165,8 +167,9 @@ def _fqns(model: nn.Module, optim: torch.optim.Optimizer) -> list[str] | None:
     """The FQN of each of ``optim``'s parameters, in its order; None when one has none or
     several (a parameter outside ``model``, shared parameters)."""
     names: dict[int, str] = {}
+    known = naming.names(model)  # without DCP's walk per name where the names are the FQNs
     for name, p in model.named_parameters(remove_duplicate=False):
-        fqns = _sd._get_fqns(model, name)
+        fqns = {known[name]} if known is not None else _sd._get_fqns(model, name)
         if len(fqns) != 1 or id(p) in names:
             return None
         names[id(p)] = next(iter(fqns))

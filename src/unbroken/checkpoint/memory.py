@@ -28,7 +28,8 @@ import io
 import logging
 import pickle
 import struct
-from collections.abc import Callable
+import weakref
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -37,7 +38,7 @@ import torch
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.metadata import MetadataIndex
-from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
+from torch.distributed.checkpoint.planner import WriteItemType
 from torch.distributed.checkpoint.planner_helpers import _create_write_items
 from torch.distributed.tensor import DTensor
 
@@ -61,6 +62,9 @@ def _page(n: int) -> int:
 
 class Mismatch(Exception):
     """The snapshot does not fit the live state (another model or layout)."""
+
+    live_model = False
+    """Raised for a template of the live model's tensors (``prepare`` asks DCP then)."""
 
 
 @dataclass(frozen=True)
@@ -194,8 +198,7 @@ def read(arena: Arena) -> tuple[Ring | None, list[Snapshot]]:
             logger.warning("in-memory snapshot in region %d: metadata damaged", region)
             continue
         try:
-            # Restricted: an arena may come from another node (see ``peers``).
-            meta = layout.safe_loads(arena.read(base + PAGE, meta_len))
+            meta = _parse(arena, region, arena.read(base + PAGE, meta_len))
         except Exception as e:  # its digest matched: another version wrote it
             logger.warning("in-memory snapshot in region %d unreadable: %s", region, e)
             continue
@@ -216,12 +219,31 @@ def read(arena: Arena) -> tuple[Ring | None, list[Snapshot]]:
                 arena=arena,
                 region=region,
                 tensors=tensors,
-                payloads=meta["payloads"],
-                digests=meta["digests"],
+                payloads=list(meta["payloads"]),
+                digests=list(meta["digests"]),
                 seq=seq,
             )
         )
     return ring, sorted(out, key=lambda s: s.seq, reverse=True)
+
+
+# Each region's metadata as last parsed, by its bytes: a restore reads the arena its warm-up
+# read already, and unpickling ~250 items with the restricted unpickler takes 3-6 ms a region.
+_parsed: weakref.WeakKeyDictionary[Arena, dict[int, tuple[bytes, dict[str, Any]]]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _parse(arena: Arena, region: int, raw: bytes) -> dict[str, Any]:
+    """``raw`` metadata unpickled (restricted: an arena may come from another node, see
+    ``peers``), or what the same bytes gave last time."""
+    seen = _parsed.setdefault(arena, {})
+    hit = seen.get(region)
+    if hit is not None and hit[0] == raw:
+        return hit[1]
+    meta = layout.safe_loads(raw)
+    seen[region] = (raw, meta)
+    return meta
 
 
 def verify(snapshot: Snapshot, *, untrusted: bool = False) -> str | None:
@@ -269,15 +291,22 @@ class Pending:
     rank: int
 
     @torch.no_grad()
-    def apply(self, *, done: Callable[[torch.Tensor, Slot], bool] | None = None) -> list[str]:
+    def apply(
+        self,
+        *,
+        done: Callable[[torch.Tensor, Slot], bool] | None = None,
+        loaded: Mapping[str, tuple[bytes, Any]] | None = None,
+    ) -> list[str]:
         """Copy the snapshot into the live state; returns the PerRank keys it had no value for.
         ``done(dst, slot)``: True where ``dst`` holds that slot's bytes already (copied ahead,
-        into memory it was carved from: ``freshopt.Pool.fill``)."""
+        into memory it was carved from: ``freshopt.Pool.fill``). ``loaded``: fqn -> (bytes,
+        their ``load_value``) made ahead, each used once, where the bytes are the same."""
         for dst, slot in self.copies:
             if done is None or not done(dst, slot):
                 dst.copy_(self.snapshot.arena.view(slot))
         for fqn, data in self.values:
-            value = torch.load(io.BytesIO(data), weights_only=False)  # as DCP's planner does
+            ahead = loaded.get(fqn) if loaded is not None else None
+            value = ahead[1] if ahead is not None and ahead[0] == data else load_value(data)
             set_element(self.plan.template, self.mappings[fqn], value)
         key = _loaded_in_place(self.plan, [fqn for fqn, _ in self.values])
         state = {k: v for k, v in self.state.items() if k != key}
@@ -285,19 +314,30 @@ class Pending:
         return list(self.plan.skipped)
 
 
-def _write_items(fqn: str, obj: Any, shards: dict[Any, list[tuple[int, ...]]]) -> list[Any]:
-    """``_create_write_items(fqn, obj)``, the offsets of a DTensor's shards worked out once per
-    layout (spec): an optimizer's state is laid out like its parameter."""
-    if not isinstance(obj, DTensor):
-        return _create_write_items(fqn, obj)
-    if obj._spec not in shards:
-        made = _create_write_items(fqn, obj)
-        shards[obj._spec] = [tuple(wi.index.offset or ()) for wi in made]
-        return made
-    return [
-        WriteItem(index=MetadataIndex(fqn, offset), type=WriteItemType.SHARD)
-        for offset in shards[obj._spec]
-    ]
+def load_value(data: bytes) -> Any:
+    """A non-tensor value of a snapshot, as DCP's planner loads it."""
+    return torch.load(io.BytesIO(data), weights_only=False)
+
+
+def _offsets(fqn: str, obj: Any, shards: dict[Any, list[tuple[int, ...]]]) -> list[Any] | None:
+    """The offsets of the items ``_create_write_items(fqn, obj)`` makes, or None for one
+    BYTE_IO item; a DTensor's worked out once per layout (spec: an optimizer's state is laid
+    out like its parameter), a plain tensor's (one chunk at the origin) without making them."""
+    if isinstance(obj, DTensor):
+        if obj._spec not in shards:
+            shards[obj._spec] = [
+                tuple(wi.index.offset or ()) for wi in _create_write_items(fqn, obj)
+            ]
+        return shards[obj._spec]
+    if type(obj) in _PLAIN_TENSORS:
+        return [(0,) * obj.dim()]
+    made = _create_write_items(fqn, obj)
+    if len(made) == 1 and made[0].type == WriteItemType.BYTE_IO:
+        return None
+    return [tuple(wi.index.offset or ()) for wi in made]
+
+
+_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
 
 
 _FSDP_RESET = "FSDPParam.__init__.<locals>.<lambda>"  # FSDP2's post-load hook: re-pad shards
@@ -324,6 +364,8 @@ def _loaded_in_place(plan: Any, values: list[str]) -> str | None:
             for h in m._load_state_dict_post_hooks.values()
         ):
             return None
+    if plan.live_model:  # its entries are the live parameters and buffers themselves
+        return key
     live = {_local(t).untyped_storage().data_ptr() for t in (*model.parameters(), *model.buffers())}
     flat, _ = flatten_state_dict(plan.template[key])
     return (
@@ -338,13 +380,33 @@ def _loaded_in_place(plan: Any, values: list[str]) -> str | None:
 
 def prepare(state: Any, snapshot: Snapshot, *, rank: int) -> Pending:
     """Match every item of the live ``state`` with the snapshot, changing nothing; raises
-    Mismatch when an item has no counterpart of the same dtype and shape."""
+    Mismatch when an item has no counterpart of the same dtype and shape. The model's
+    items are its live tensors named by ``naming`` where it can (a fresh process's restore
+    skips DCP's renaming walk), else, and when they do not match, DCP's state dict."""
+    try:
+        return _prepare(state, snapshot, rank=rank, live_model=True)
+    except Mismatch as e:
+        if not e.live_model:
+            raise
+        logger.info("the live model's names do not fit the snapshot (%s); asking DCP", e)
+        return _prepare(state, snapshot, rank=rank, live_model=False)
+
+
+def _prepare(state: Any, snapshot: Snapshot, *, rank: int, live_model: bool) -> Pending:
     holds = freshopt.Saved(
         tensors={i.fqn: (s.dtype, s.shape) for i, s in snapshot.tensors},
         values=tuple(i.fqn for i, _ in snapshot.payloads),
     )
     saved = set(holds.tensors) | set(holds.values)
-    plan = template_for_load(state, rank=rank, saved_keys=saved, saved=holds)
+    plan = template_for_load(state, rank=rank, saved_keys=saved, saved=holds, live_model=live_model)
+    try:
+        return _match(state, snapshot, plan, rank=rank)
+    except Mismatch as e:
+        e.live_model = plan.live_model
+        raise
+
+
+def _match(state: Any, snapshot: Snapshot, plan: Any, *, rank: int) -> Pending:
     flat, mappings = flatten_state_dict(plan.template)
     slots = {(i.fqn, tuple(i.offset or ())): s for i, s in snapshot.tensors}
     payloads = {i.fqn: data for i, data in snapshot.payloads}
@@ -354,13 +416,13 @@ def prepare(state: Any, snapshot: Snapshot, *, rank: int) -> Pending:
     for fqn, obj in flat.items():
         if isinstance(obj, DTensor) and not _in_mesh(obj.device_mesh, meshes):
             continue
-        for wi in _write_items(fqn, obj, shards):
-            if wi.type == WriteItemType.BYTE_IO:
-                if fqn not in payloads:
-                    raise Mismatch(f"no value for {fqn!r} in the snapshot")
-                pending.values.append((fqn, payloads[fqn]))
-                continue
-            offset = tuple(wi.index.offset or ())
+        offsets = _offsets(fqn, obj, shards)
+        if offsets is None:
+            if fqn not in payloads:
+                raise Mismatch(f"no value for {fqn!r} in the snapshot")
+            pending.values.append((fqn, payloads[fqn]))
+            continue
+        for offset in offsets:
             slot = slots.get((fqn, offset))
             local = _local(obj)
             if slot is None or slot.dtype != local.dtype or slot.shape != tuple(local.shape):

@@ -39,7 +39,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor
 
-from unbroken.checkpoint import freshopt, reuse
+from unbroken.checkpoint import freshopt, naming, reuse
 from unbroken.checkpoint.savecache import Later, ResolveCache, _serialize
 
 logger = logging.getLogger(__name__)
@@ -405,6 +405,8 @@ class LoadPlan:
     skipped: list[str]
     fresh: set[str] = field(default_factory=set)
     """Optimizers whose state ``freshopt`` made (loaded by ``freshopt.load``)."""
+    live_model: bool = False
+    """The model's entry holds its live tensors (``template_for_load(live_model=True)``)."""
 
 
 def template_for_load(
@@ -413,13 +415,20 @@ def template_for_load(
     rank: int,
     saved_keys: set[str],
     saved: freshopt.Saved | None = None,
+    live_model: bool = False,
 ) -> LoadPlan:
     """A nested state dict for ``dcp.load`` (DCP fills its tensors in place and replaces its
     other leaves). ``saved_keys`` are the flat keys in the checkpoint's metadata, to skip the
     PerRank values the checkpoint lacks for this rank; with ``saved`` (what a snapshot holds)
-    an optimizer without state gets it from ``freshopt``, not from DCP's zero-grad step."""
+    an optimizer without state gets it from ``freshopt``, not from DCP's zero-grad step.
+    ``live_model``: the model's entry holds its live parameters and buffers where
+    ``naming.model_tensors`` can tell them (for a copy under ``no_grad``, not for ``dcp.load``)."""
     parts = _split(state)
     made = freshopt.templates(parts.model, parts.optims, saved)
+    if live_model and parts.model is not None:
+        tensors = naming.model_tensors(parts.model[1])
+        if tensors is not None:
+            made[parts.model[0]] = tensors
     rest, _ = _nested({k: v for k, v in state.items() if k not in made}, parts, rank=rank)
     nested = {k: made[k] if k in made else rest[k] for k in state}
     skipped = []
@@ -428,7 +437,11 @@ def template_for_load(
         if not any(k == prefix or k.startswith(prefix + ".") for k in saved_keys):
             skipped.append(key)
             del nested[key]
-    return LoadPlan(template=nested, parts=parts, skipped=sorted(skipped), fresh=set(made))
+    live = parts.model is not None and parts.model[0] in made
+    fresh = set(made) - {parts.model[0]} if live and parts.model is not None else set(made)
+    return LoadPlan(
+        template=nested, parts=parts, skipped=sorted(skipped), fresh=fresh, live_model=live
+    )
 
 
 def apply_loaded(state: Mapping[str, Any], plan: LoadPlan, *, rank: int) -> None:

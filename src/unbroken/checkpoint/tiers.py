@@ -132,6 +132,8 @@ class Warm:
         self.pool: freshopt.Pool | None = None
         self.target: int | None = None
         """The step whose optimizer state the pool holds (filled for)."""
+        self.loaded: dict[str, tuple[bytes, Any]] = {}
+        """That step's non-tensor values, loaded ahead: fqn -> (bytes, value)."""
         self._thread = threading.Thread(
             target=self._run, args=(arena, rank, others), name="unbroken-warm", daemon=True
         )
@@ -165,6 +167,10 @@ class Warm:
                         if slot.shape and f".{freshopt.STATE}." in i.fqn
                     ]
                 )
+            if self.verdicts[_id(target)] is None:
+                self.loaded = {
+                    i.fqn: (data, memory.load_value(data)) for i, data in target.payloads
+                }
         except Exception as e:  # noqa: BLE001 - only a slower restore: it checks again
             logger.warning("warming the adopted arena failed: %s", e)
 
@@ -311,10 +317,13 @@ def _newest(
             continue
         assert pending is not None
         t4 = time.perf_counter()
+        loaded = warm.loaded if warm is not None and warm.target == step else None
         if known_here and warm is not None and warm.pool is not None:  # copied ahead?
-            pending.apply(done=functools.partial(_filled, warm.pool, _id(snaps[step])))
+            pending.apply(
+                done=functools.partial(_filled, warm.pool, _id(snaps[step])), loaded=loaded
+            )
         else:
-            pending.apply()
+            pending.apply(loaded=loaded)
         timings["copy_s"] = time.perf_counter() - t4
         staging.retain(snaps[step].region)
         if rank == 0:  # what the killed writers left, as a disk restore does
