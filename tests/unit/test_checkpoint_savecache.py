@@ -227,3 +227,46 @@ def test_the_model_after_an_in_process_restart_reuses_items_from_its_first_save(
         pairs = [(a, b) for a, b in zip(made.items, got.items, strict=True) if a.tensor is not None]
         assert pairs and all(a.write_item is b.write_item for a, b in pairs)
         assert _items(again, cache) == _items(again, None)
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        [0.1 * i for i in range(2000)],
+        {"epoch": 1, "position": 5, "seed": None},
+        (1, 2.5, "x", b"y", True, {3, 4}),
+        [1, [2, {"a": (3,)}]],
+    ],
+)
+def test_a_plain_value_is_saved_as_torch_save_saves_it(value: Any) -> None:
+    import io
+    import pickle
+
+    from unbroken.checkpoint import savecache
+
+    ref = io.BytesIO()
+    torch.save(value, ref)
+    key = pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
+    fast = savecache._serialize(savecache.plain_loads(key), plain=True)
+    assert fast == ref.getvalue()  # byte for byte: DCP's loader and weights_only read it
+    assert torch.load(io.BytesIO(fast), weights_only=True) == value
+    cache = ResolveCache()
+    assert cache.serialize("k", value) == ref.getvalue()
+    _, later = ResolveCache().serialize_later("k", value)
+    assert later is not None and later() == ref.getvalue()
+
+
+def test_a_value_holding_a_tensor_or_a_class_is_not_plain() -> None:
+    import io
+    import pickle
+
+    from unbroken.checkpoint import savecache
+
+    for value in ({"t": torch.ones(2)}, [complex(1, 2)], nn.Identity()):
+        key = pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
+        with pytest.raises(pickle.UnpicklingError):
+            savecache.plain_loads(key)
+    _, later = ResolveCache().serialize_later("k", {"t": torch.arange(3)})
+    assert later is not None
+    loaded = torch.load(io.BytesIO(later()), weights_only=True)
+    assert torch.equal(loaded["t"], torch.arange(3))
