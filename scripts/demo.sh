@@ -7,8 +7,9 @@
 #   baseline   Kubernetes alone, on the emulated cluster: a failed pod fails the job and the
 #              JobSet recreates every pod (after --pod-restart-s); a hang ends by the peers'
 #              collective timeout
-# Every unbroken configuration snapshots every step to memory (the agent keeps it across a
-# SIGKILL) and persists every 5 steps; then the table (training/infrastructure goodput,
+# Every unbroken configuration snapshots every other step to memory (the agent keeps it across
+# a SIGKILL), notes the steps between (a fault the worker unwinds from snapshots the noted step
+# from the live state: the rescue) and persists every 5 steps; then the table (training/infrastructure goodput,
 # recovery, steps lost, = clean?), an HTML report, the runs ingested into the knowledge base,
 # and how to open the dashboard on them.
 set -euo pipefail
@@ -18,7 +19,7 @@ export OMP_NUM_THREADS=1
 rc=0
 .venv/bin/unbroken bench recovery \
   --configs inprocess launcher baseline \
-  --model tiny --steps 500 --batch-size 8 --seq-len 64 --ckpt-every 5 --snapshot-every 1 \
+  --model tiny --steps 500 --batch-size 8 --seq-len 64 --ckpt-every 5 --snapshot-every 2 \
   --faults 5 --kinds exception sigkill hang --seed 42 \
   --hang-timeout-s 0.5 --pg-timeout-s 3 --pod-restart-s 1 \
   --out "$OUT" --json "$OUT/results.json" "$@" || rc=$?

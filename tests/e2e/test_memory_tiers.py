@@ -1,6 +1,7 @@
 """The memory tiers end to end, under unbroken-run with the reference script (tiny model, two
 ranks, a snapshot after every step, a durable save every 4): an exception restores from the
-process's own memory and loses no step; a SIGKILL restores from the memory the agent kept for
+process's own memory and loses no step, also between snapshots (the step rescued as the
+worker unwinds); a SIGKILL restores from the memory the agent kept for
 the dead rank and loses at most one; a corrupt memory falls back to disk. Each ends bit-exact."""
 
 from __future__ import annotations
@@ -71,6 +72,36 @@ def test_a_sigkill_restores_from_the_memory_the_agent_kept(reference: str, tmp_p
     assert {(e.rank, e.get("source")) for e in loads} == {(0, "keeper"), (1, "keeper")}
     assert all("checksums verified" in e.get("why") for e in loads), [e.data for e in loads]
     assert all(e.get("pooled") for e in loads), [e.data for e in loads]  # the warmed pool used
+
+
+def test_a_fault_between_snapshots_rescues_the_step_it_interrupted(
+    reference: str, tmp_path: Path
+) -> None:
+    """A snapshot every 3 steps: the exception after step 6 (a step only noted) unwinds every
+    rank through its Checkpointer's abort, which snapshots step 6 from the live state
+    (``rescue``): restored from the process's own memory, no step lost."""
+    plan = _plan(tmp_path, "{step: 6, rank: 1, kind: exception}")
+    assert _run(tmp_path, "--faults", plan, "--snapshot-every", "3") == [reference, reference]
+    [fault] = goodput.compute(read_events(tmp_path)).faults
+    assert (fault.layer, fault.restore_tier, fault.restored_step) == ("inprocess", "memory", 6)
+    assert fault.steps_lost == 0
+    assert {e.get("source") for e in _loads(tmp_path)} == {"process"}
+
+
+def test_without_in_process_restart_only_the_faulted_rank_rescues(
+    reference: str, tmp_path: Path
+) -> None:
+    """The same fault under --no-inprocess: the failing worker rescues step 6 into the memory
+    the agent keeps, but the launcher stops its peer (SIGTERM, in a collective: no unwinding),
+    so the newest step both hold is the snapshot of step 5."""
+    plan = _plan(tmp_path, "{step: 6, rank: 1, kind: exception}")
+    extra = ["--faults", plan, "--snapshot-every", "3", "--no-inprocess"]
+    assert _run(tmp_path, *extra) == [reference, reference]
+    [fault] = goodput.compute(read_events(tmp_path)).faults
+    assert (fault.layer, fault.restore_tier, fault.restored_step) == ("launcher", "memory", 5)
+    assert fault.steps_lost == 1
+    [load, *_] = _loads(tmp_path)
+    assert load.get("memory") == [[5, 3, 2], [6, 5, 3]], load.data
 
 
 def test_a_corrupt_memory_falls_back_to_disk(reference: str, tmp_path: Path) -> None:

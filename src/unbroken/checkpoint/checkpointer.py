@@ -46,13 +46,12 @@ from typing import Any
 
 import torch.distributed as dist
 
-from unbroken.checkpoint import layout, node, tiers
+from unbroken.checkpoint import layout, node, rescue, tiers
 from unbroken.checkpoint.config import CheckpointConfig, CheckpointError
 from unbroken.checkpoint.hooks import WriterHooks
 from unbroken.checkpoint.inflight import CheckpointStats, Inflight
-from unbroken.checkpoint.resolve import ResolveCache, resolve_for_save
-from unbroken.checkpoint.restore import RestoreResult
-from unbroken.checkpoint.restore import restore as _restore
+from unbroken.checkpoint.resolve import ResolveCache, plan_args, resolve_for_save
+from unbroken.checkpoint.restore import restore_recorded
 from unbroken.checkpoint.staging import fill, process_memory
 from unbroken.ledger import NULL, Recorder, owner
 from unbroken.ledger import events as ev
@@ -138,6 +137,7 @@ class Checkpointer:
         )
         self._last_step: int | None = None
         self._cache = ResolveCache()
+        self._notes = rescue.Notes()
         self._closed = False
         # Before the writer and the arena exist: nothing of another job's is touched.
         self._claim = owner.claim(self.root, job=job, takeover=True)
@@ -158,6 +158,7 @@ class Checkpointer:
             return self.save(step, state)
         if self.config.snapshot_due(step):
             return self.snapshot(step, state)
+        self.note(step, state)
         return False
 
     def save(self, step: int, state: Mapping[str, Any]) -> bool:
@@ -173,6 +174,15 @@ class Checkpointer:
         if not self.config.memory_tier:
             raise ValueError("snapshot() needs memory_tier=True (a snapshot is held in memory)")
         return self._stage(step, state, durable=False)
+
+    def note(self, step: int, state: Mapping[str, Any]) -> bool:
+        """Note completed ``step`` without staging it (memory tier): an ``abort`` unwinding
+        from a fault snapshots it from the live state if unchanged (``rescue``)."""
+        if not self.config.memory_tier or self._closed:
+            return False
+        o, w = self.config.overlap, self.world_size
+        args = plan_args(state, rank=self.rank, world_size=w, overlap=o, stage_all=True)
+        return self._notes.take(step, state, self._cache.plan, args)
 
     def _stage(self, step: int, state: Mapping[str, Any], *, durable: bool) -> bool:
         t0 = time.time()
@@ -365,32 +375,18 @@ class Checkpointer:
             self._last_step = step
             return step
         self._staging.retain(None)  # what memory held is of another timeline now
-        result: RestoreResult = _restore(
+        self._last_step = restore_recorded(
             state,
             root=self.root,
             rank=self.rank,
-            checksums=self.config.verify,
+            config=self.config,
             run=self.run,
-            allow_foreign=self.config.allow_foreign,
-        )
-        for step, why in result.rejected:
-            self._ledger.emit(
-                ev.CKPT_FAIL, step=step, error=f"rejected at restore: {why}", phase="load"
-            )
-        self._ledger.interval(
-            ev.CKPT_LOAD,
+            ledger=self._ledger,
             begin=t0,
-            step=result.step,
-            tier="disk" if result.step is not None else "none",
-            path=str(result.path) if result.path else None,
-            rejected=[s for s, _ in result.rejected],
-            skipped=result.skipped,
             memory=held,
             why=why,
         )
-        self._ledger.mark()
-        self._last_step = result.step
-        return result.step
+        return self._last_step
 
     def resume(self, state: Mapping[str, Any]) -> int:
         """``restore(state)``, then the step to continue from: 0 when there was no checkpoint,
@@ -467,6 +463,8 @@ class Checkpointer:
         (``unbroken.mask``): a restart interrupt waits for it to complete."""
         if self._closed:
             return
+        if self.config.memory_tier:  # the noted step, if unchanged (``rescue``)
+            self._notes.rescue(self._last_step, self._cache.plan, self._stage, self._staging.wait)
         self._closed = True
         self._inflight.kill_writer()
         try:

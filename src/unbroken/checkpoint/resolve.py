@@ -235,7 +235,7 @@ def resolve_for_save(
     ``defer`` too, the other keys' changed values are captured now and serialized when
     their item's ``finish`` is called (after this returns, before the payloads are read)."""
     parts = _split(state)
-    args = (rank, world_size, overlap, stage_all, _roles(state))
+    args = plan_args(state, rank=rank, world_size=world_size, overlap=overlap, stage_all=stage_all)
     if cache is not None and cache.plan is not None and cache.plan.check(state, args):
         out = _reuse(state, parts, cache, cache.plan, rank=rank, defer=defer)
         if out is not None:
@@ -260,6 +260,13 @@ def resolve_for_save(
     if cache is not None:
         cache.plan = _learn(state, parts, cache, flat, mappings, roles, items, out, args)
     return out
+
+
+def plan_args(
+    state: Mapping[str, Any], *, rank: int, world_size: int, overlap: bool, stage_all: bool
+) -> tuple[Any, ...]:
+    """What a reuse plan of ``resolve_for_save`` was made for (``reuse.Plan.args``)."""
+    return (rank, world_size, overlap, stage_all, _roles(state))
 
 
 def _roles(state: Mapping[str, Any]) -> tuple[tuple[str, str], ...]:

@@ -30,8 +30,10 @@ from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from unbroken.checkpoint import freshopt, layout
-from unbroken.checkpoint.config import CheckpointError
+from unbroken.checkpoint.config import CheckpointConfig, CheckpointError
 from unbroken.checkpoint.resolve import apply_loaded, template_for_load
+from unbroken.ledger import Recorder
+from unbroken.ledger import events as ev
 
 logger = logging.getLogger(__name__)
 
@@ -221,3 +223,42 @@ def restore(
             )
         return result
     return result
+
+
+def restore_recorded(
+    state: Mapping[str, Any],
+    *,
+    root: Path,
+    rank: int,
+    config: CheckpointConfig,
+    run: str | None,
+    ledger: Recorder,
+    begin: float,
+    memory: list[Any],
+    why: str | None,
+) -> int | None:
+    """``restore`` from disk (after the memory tier had nothing: ``memory`` and ``why`` say
+    what it held), recorded in ``ledger``: every rejected checkpoint, then the load."""
+    result = restore(
+        state,
+        root=root,
+        rank=rank,
+        checksums=config.verify,
+        run=run,
+        allow_foreign=config.allow_foreign,
+    )
+    for step, reason in result.rejected:
+        ledger.emit(ev.CKPT_FAIL, step=step, error=f"rejected at restore: {reason}", phase="load")
+    ledger.interval(
+        ev.CKPT_LOAD,
+        begin=begin,
+        step=result.step,
+        tier="disk" if result.step is not None else "none",
+        path=str(result.path) if result.path else None,
+        rejected=[s for s, _ in result.rejected],
+        skipped=result.skipped,
+        memory=memory,
+        why=why,
+    )
+    ledger.mark()
+    return result.step

@@ -114,6 +114,8 @@ class Saver:
             if ckpt.config.snapshot_due(step):
                 with ctx.no_hang_protection():  # it may wait for the region being persisted
                     ckpt.snapshot(step, state)
+            else:  # a soft fault before the next snapshot rescues it (``rescue``)
+                ckpt.note(step, state)
             return
         heartbeat(step, committed_step=ckpt.last_committed, finishing=True)
         t0 = time.monotonic()
