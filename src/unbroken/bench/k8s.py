@@ -32,6 +32,7 @@ import json
 import logging
 import os
 import re
+import shutil
 import sys
 import time
 from dataclasses import dataclass, field
@@ -281,9 +282,29 @@ def emulated_cluster(
     )
 
 
+def _not_ours(workdir: Path) -> str | None:
+    """Why ``workdir`` cannot take a run (non-empty, no earlier run of ours), or None."""
+    if workdir.is_dir() and any(workdir.iterdir()) and not (workdir / "volume").is_dir():
+        return f"{workdir} is not empty and holds no earlier bench k8s run: pass a new --out"
+    return None
+
+
+def fresh_workdir(workdir: Path) -> None:
+    """Empty ``workdir`` for a new run: an earlier run there (its ``volume``) is removed, since
+    its ledger would read as this run's progress (its steps, its connected nodes); ValueError
+    for a non-empty directory that holds no earlier run (not ours to delete)."""
+    why = _not_ours(workdir)
+    if why is not None:
+        raise ValueError(why)
+    if workdir.is_dir():
+        shutil.rmtree(workdir)
+    workdir.mkdir(parents=True)
+
+
 def run_node_loss(run: NodeLoss, workdir: Path) -> NodeLossResult:
-    """Run ``run`` on a fresh emulated cluster under ``workdir``; the cluster is gone after."""
-    workdir.mkdir(parents=True, exist_ok=True)
+    """Run ``run`` on a fresh emulated cluster under ``workdir`` (an earlier run there is
+    replaced: ``fresh_workdir``); the cluster is gone after."""
+    fresh_workdir(workdir)
     volume = workdir / "volume"
     volume.mkdir(exist_ok=True)
     run_dir = volume / run.name
@@ -397,6 +418,11 @@ def main(a: argparse.Namespace) -> int:
     rows = []
     clean_hash = None
     configs = ["clean", *[c for c in a.configs if c != "clean"]]
+    for name in configs:  # before the first run: a foreign directory fails at once
+        why = _not_ours(out / name)
+        if why is not None:
+            print(f"error: {why}", file=sys.stderr)
+            return 2
     for name in configs:
         run = NodeLoss(
             nodes=a.nodes,

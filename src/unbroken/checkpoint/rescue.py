@@ -149,8 +149,9 @@ class Notes:
                     frozen[key] = value
                     continue
                 inner = value.obj if isinstance(value, PerRank) else value
-                held = _Frozen(_freeze(inner.state_dict())) if _is_stateful(inner) else None
-                if held is None:
+                if _is_stateful(inner):
+                    held = _Frozen(_freeze(inner.state_dict()))
+                else:
                     held = _freeze(inner)
                 frozen[key] = PerRank(held) if isinstance(value, PerRank) else held
         except _Unfreezable as e:
