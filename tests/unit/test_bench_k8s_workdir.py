@@ -50,6 +50,10 @@ def test_a_foreign_directory_is_refused_and_kept(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="--out"):
         k8s.fresh_workdir(tmp_path / "clean")
     assert (tmp_path / "clean" / "mine.txt").read_text() == "not a bench run"
+    (tmp_path / "spare").write_text("a file")
+    with pytest.raises(ValueError, match="is a file"):
+        k8s.fresh_workdir(tmp_path / "spare")
+    assert (tmp_path / "spare").read_text() == "a file"
 
 
 def test_main_refuses_a_foreign_out_before_running(

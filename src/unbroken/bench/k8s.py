@@ -283,7 +283,10 @@ def emulated_cluster(
 
 
 def _not_ours(workdir: Path) -> str | None:
-    """Why ``workdir`` cannot take a run (non-empty, no earlier run of ours), or None."""
+    """Why ``workdir`` cannot take a run (a file, or non-empty with no earlier run of ours),
+    or None."""
+    if workdir.exists() and not workdir.is_dir():
+        return f"{workdir} is a file, not a directory: pass a new --out"
     if workdir.is_dir() and any(workdir.iterdir()) and not (workdir / "volume").is_dir():
         return f"{workdir} is not empty and holds no earlier bench k8s run: pass a new --out"
     return None
@@ -306,7 +309,7 @@ def run_node_loss(run: NodeLoss, workdir: Path) -> NodeLossResult:
     replaced: ``fresh_workdir``); the cluster is gone after."""
     fresh_workdir(workdir)
     volume = workdir / "volume"
-    volume.mkdir(exist_ok=True)
+    volume.mkdir()
     run_dir = volume / run.name
     cluster = emulated_cluster(
         workdir, volume=volume, mode=run.mode, pod_start_delay_s=run.pod_restart_s
