@@ -54,13 +54,14 @@ def test_bench_recovery_clean_vs_baseline(tmp_path: Path) -> None:
     assert rows["clean"]["recovery_s"] == [] and rows["clean"]["infra_goodput"] == 1.0
     assert len(rows["baseline"]["recovery_s"]) == 1 and rows["baseline"]["recovery_s"][0] > 0.2
     assert rows["baseline"]["training_goodput"] < rows["clean"]["training_goodput"]
-    # The gap splits into what the fault cost and what checkpointing cost (none here); the
-    # fault's share of the wall time depends on the machine's speed, so it is compared with
-    # the gap, not with a fixed share.
+    # The gap splits into what the fault cost and what checkpointing cost (none here). The
+    # fault's cost is its window (the recreated pods' start-up in it) and the steps redone: at
+    # least the gap, which is that share times the clean run's goodput (0.2-0.4 on this tiny
+    # run), whatever the machine's speed.
     assert rows["clean"]["fault_cost"] == 0.0 and rows["baseline"]["fault_cost"] > 0.0
     assert rows["baseline"]["checkpoint_cost"] == 0.0
     gap = rows["clean"]["training_goodput"] - rows["baseline"]["training_goodput"]
-    assert rows["baseline"]["fault_cost"] > gap / 2
+    assert rows["baseline"]["fault_cost"] > gap
     assert rows["baseline"]["step_time_s_median"] > 0
     assert (out / "report.html").read_text().count("polyline") >= 2
     assert "clean" in res.output and "baseline" in res.output

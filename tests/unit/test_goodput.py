@@ -99,6 +99,7 @@ def test_plain_run():
     assert r.num_attempts == 1 and r.num_iterations == 1
     assert r.step_time_s_median == approx(1.0)
     assert r.recovery_s_median is None and r.recovery_s_max is None
+    assert r.fault_s == 0.0
 
 
 # --- 2. two ranks -------------------------------------------------------------------------------
@@ -204,6 +205,9 @@ def test_fault_with_rollback():
     assert r.infra_goodput == approx(1 - 1.8 / 17.5)  # detection to resume: [10.2, 12]
     assert r.availability == approx(1 - 2.0 / 17.5)  # fault to resume: [10, 12]
     assert r.ettr == approx(10 / (17.5 - 1.0))  # only the first launch's import is excluded
+    # What the fault cost: its window [10, 12] (the restarted process's phases and load in it
+    # included) and the re-executed [7, 10].
+    assert r.fault_s == approx(2.0 + 3.0)
     assert r.loop_s == approx(8.0 + 5.0)
     assert r.checkpoint_efficiency == 1.0
     assert r.num_attempts == 2 and r.num_iterations == 1
@@ -379,6 +383,25 @@ def test_overlapping_faults_use_union():
     assert r.badput_s["detection"] == approx(0.2 + 0.3)
     assert r.badput_s["recovery"] == approx(0.3 + 1.2)  # [5.2, 5.5] and [5.8, 7]
     assert r.recovery_s_median == approx(2.75) and r.recovery_s_max == approx(3.0)
+    assert r.fault_s == approx(2.0)  # the union [5, 7], once
+
+
+def test_fault_cost_excludes_saves_and_surviving_steps_in_its_window():
+    events = [
+        *steps(0, 3, 0.0),  # [0, 4]
+        span(STEP, 4.0, 5.5, step=4),  # a step that ends after the fault and survives
+        ev(FAULT_INJECTED, 5.0, rank=1, fault="exception", step=4),
+        ev(FAULT_DETECTED, 5.5, rank=1, cause="exception", detector="exception"),
+        span(CKPT_STAGE, 5.6, 5.8, step=4),  # the rescue's snapshot: a save, not the fault's
+        phase("import", 6.0, 6.5),  # a restarted process's start-up: the fault's
+        *steps(5, 6, 7.0),  # resumes at 7
+    ]
+    r = compute(events)
+    check_partition(r)
+    assert r.badput_s["startup"] == approx(0.5)  # the partition still names the phase
+    # [5, 7] less the step's [5, 5.5] and the save's [5.6, 5.8]
+    assert r.fault_s == approx(2.0 - 0.5 - 0.2)
+    assert r.productive_s + r.checkpoint_save_s + r.fault_s <= r.wall_s + 1e-9
 
 
 def test_detection_before_injection_opens_natural_fault():
@@ -469,6 +492,9 @@ def test_partition_invariant_random(seed):
     assert 0.0 <= r.infra_goodput <= 1.0
     assert r.checkpoint_efficiency is not None and 0.0 <= r.checkpoint_efficiency <= 1.0
     assert r.productive_s <= r.loop_s + 1e-9
+    # The fault cost is disjoint from the productive and the blocking-save time.
+    assert 0.0 < r.fault_s
+    assert r.productive_s + r.checkpoint_save_s + r.fault_s <= r.wall_s + 1e-9
     assert len(r.faults) == 4
     for f in r.faults:
         assert f.downtime_s is not None and f.recovery_s is not None

@@ -15,7 +15,7 @@ the same ledger code (``unbroken.ledger.goodput``). Configurations:
 
 Correctness column: a configuration that recovers must end with the clean run's
 ``final_state_sha256``. The gap to the clean run's goodput splits into ``faults`` (what they
-cost: ``FAULT_BADPUT``) and ``ckpt`` (saves' and snapshots' blocking: the price of being
+cost: the ledger's ``fault_s``, restarted processes' start-up included) and ``ckpt`` (saves' and snapshots' blocking: the price of being
 ready), shares of the wall time, beside the median step (where background work shows).
 """
 
@@ -270,8 +270,8 @@ class ConfigResult:
             "detection_s": [x["detection_s"] for x in f.get("faults", [])],
             "wall_s": f.get("wall_s"),
             "checkpoint_efficiency": f.get("checkpoint_efficiency"),
-            "fault_cost": _share(f, FAULT_BADPUT),
-            "checkpoint_cost": _share(f, ("checkpoint_save",)),
+            "fault_cost": _fraction(f, f.get("fault_s")),
+            "checkpoint_cost": _fraction(f, (f.get("badput_s") or {}).get("checkpoint_save")),
             "step_time_s_median": f.get("step_time_s_median"),
             "ettr": f.get("ettr"),
             "final_state_sha256": self.final_state_sha256,
@@ -359,15 +359,10 @@ def run_bench(a: argparse.Namespace) -> list[ConfigResult]:
     return results
 
 
-# What the faults themselves cost: noticing, bringing the job back, restoring, steps redone.
-FAULT_BADPUT = ("detection", "recovery", "checkpoint_load", "reexecuted")
-
-
-def _share(figures: dict[str, Any], categories: tuple[str, ...]) -> float | None:
-    badput, wall = figures.get("badput_s"), figures.get("wall_s")
-    if not badput or not wall:
-        return None
-    return sum(float(badput.get(c, 0.0)) for c in categories) / float(wall)
+def _fraction(figures: dict[str, Any], seconds: float | None) -> float | None:
+    """``seconds`` as a share of the run's wall time (None without either)."""
+    wall = figures.get("wall_s")
+    return None if seconds is None or not wall else float(seconds) / float(wall)
 
 
 def _pct(x: float | None) -> str:

@@ -86,6 +86,12 @@ Figures
       not in it; it is ``detection`` badput and in ``availability``.
     * ``availability = 1 - |union over faults of [fault time, resume_ts or t1]| / wall_s``:
       the stricter figure, detection included.
+    * ``fault_s``: what the faults cost, the measure of (the union over faults of [fault time,
+      ``resume_ts`` or ``t1``] and the ``reexecuted`` step intervals) less the time assigned to
+      ``checkpoint_save`` or ``productive``. A restarted process's start-up phases inside a
+      window count here (they are the fault's), though the partition names them ``startup``,
+      ``pg_init``, ...; so ``productive_s + checkpoint_save_s + fault_s <= wall_s``, and the
+      gap between a faulted run and a clean one splits into ``fault_s`` and the saves.
     * ``checkpoint_save_s`` = time assigned to ``checkpoint_save``; ``loop_s`` = measure of the
       union of all reference-rank step intervals (surviving and re-executed) and ``ckpt_stage``
       intervals; ``checkpoint_efficiency = 1 - checkpoint_save_s / loop_s`` (None if
@@ -233,6 +239,8 @@ class RunReport:
     """Max in-process iteration + 1."""
     checkpoint_save_s: float
     """Seconds the trainer was blocked by saves."""
+    fault_s: float
+    """Seconds the faults cost: their windows and re-executed steps, less saves and productive."""
     loop_s: float
     """Measure of the union of reference-rank step and ckpt_stage intervals."""
     step_time_s_median: float | None
@@ -253,22 +261,35 @@ def _sort_key(e: Event) -> tuple[float, int, int, int, int]:
     return (float(e.ts), _KIND_ORDER.get(e.kind, 0), e.rank, e.attempt, e.iteration)
 
 
-def _union_measure(intervals: list[tuple[float, float]]) -> float:
-    total = 0.0
-    cur_s: float | None = None
-    cur_e = 0.0
+def _merged(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """The union of ``intervals`` as sorted disjoint intervals."""
+    out: list[tuple[float, float]] = []
     for s, e in sorted(intervals):
         if e <= s:
             continue
-        if cur_s is None or s > cur_e:
-            if cur_s is not None:
-                total += cur_e - cur_s
-            cur_s, cur_e = s, e
+        if out and s <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], e))
         else:
-            cur_e = max(cur_e, e)
-    if cur_s is not None:
-        total += cur_e - cur_s
-    return total
+            out.append((s, e))
+    return out
+
+
+def _union_measure(intervals: list[tuple[float, float]]) -> float:
+    return sum(e - s for s, e in _merged(intervals))
+
+
+def _measure_less(covered: list[tuple[float, float]], less: list[tuple[float, float]]) -> float:
+    """The measure of the union of ``covered`` minus the union of ``less``."""
+    a, b = _merged(covered), _merged(less)
+    overlap, j = 0.0, 0
+    for s, e in a:
+        while j < len(b) and b[j][1] <= s:
+            j += 1
+        k = j
+        while k < len(b) and b[k][0] < e:
+            overlap += min(e, b[k][1]) - max(s, b[k][0])
+            k += 1
+    return sum(e - s for s, e in a) - overlap
 
 
 def _partition(
@@ -358,6 +379,12 @@ def compute(
         loop.append(span)
     downtime: list[tuple[float, float]] = []
     restoring: list[tuple[float, float]] = []
+    step_spans = [(float(e.begin), float(e.ts)) for e in timeline.ref_steps]
+    alive_spans = [x for x, alive in zip(step_spans, timeline.survives, strict=True) if alive]
+    redone = [x for x, alive in zip(step_spans, timeline.survives, strict=True) if not alive]
+    saves = [
+        (float(e.begin), float(e.ts)) for e in ordered if e.rank == ref and e.kind == CKPT_STAGE
+    ]
     for f in faults:
         if f.detection_ts is not None:
             intervals.append((f.fault_ts, f.detection_ts, _PRIO["detection"]))
@@ -381,11 +408,8 @@ def compute(
     checkpoint_save_s = badput_s["checkpoint_save"]
     loop_s = _union_measure(loop)
     ettr_den = wall_s - startup_first_s
-    surviving_durs = [
-        float(e.ts) - float(e.begin)
-        for e, alive in zip(timeline.ref_steps, timeline.survives, strict=True)
-        if alive
-    ]
+    surviving_durs = [e - s for s, e in alive_spans]
+    fault_spans = [(max(s, t0), min(e, t1)) for s, e in downtime + redone]
     recoveries = [r.recovery_s for r in records if r.recovery_s is not None]
     runs = Counter(e.run for e in ordered if e.run)
     attempts = {e.attempt for e in ordered}
@@ -409,6 +433,7 @@ def compute(
         num_attempts=len(attempts),
         num_iterations=max_iteration + 1,
         checkpoint_save_s=checkpoint_save_s,
+        fault_s=float(_measure_less(fault_spans, alive_spans + saves)),
         loop_s=float(loop_s),
         step_time_s_median=float(statistics.median(surviving_durs)) if surviving_durs else None,
         recovery_s_median=float(statistics.median(recoveries)) if recoveries else None,

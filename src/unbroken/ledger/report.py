@@ -67,6 +67,15 @@ def format_table(report: RunReport) -> str:
         ("in-process iterations", str(report.num_iterations)),
         ("median step time", f"{_secs(report.step_time_s_median)} s"),
         ("faults", str(len(report.faults))),
+        (
+            "fault cost",
+            f"{report.fault_s:.3f} s"
+            + (
+                f" ({report.fault_s / report.wall_s * 100:.1f}% of wall)"
+                if report.wall_s > 0
+                else ""
+            ),
+        ),
     ]
     width = max(len(name) for name, _ in header)
     lines = [f"{name.ljust(width)}  {value}" for name, value in header]
