@@ -20,7 +20,10 @@ that a script adopts unbroken in a few lines and its report has every figure:
   its iteration and the next one restores from memory.
 - a Checkpointer's wait for a commit (``close`` after the loop, ``wait``, a sync save) is
   a known region without progress: a "finishing" heartbeat and ``ctx.no_hang_protection``
-  around it (``unbroken.checkpoint.node.waiting``), so a long final save is no hang.
+  around it (``unbroken.checkpoint.node.waiting``), so a long final save is no hang;
+- checkpoint writers fork from a server forked before ``fn`` builds anything
+  (``unbroken.checkpoint.forkserver``), not from the trainer: the writer an in-process restart
+  starts shares no page of the model, so the next steps copy none (copy-on-write).
 
 ``main(fn)`` is a script's entry point: ``run``, then exit with the code the launcher expects.
 
@@ -45,7 +48,7 @@ from pathlib import Path
 from typing import Any, NoReturn, TypeVar
 
 from unbroken import restart
-from unbroken.checkpoint import node
+from unbroken.checkpoint import forkserver, node
 from unbroken.checkpoint.checkpointer import Checkpointer, open_checkpointers
 from unbroken.env import WorkerEnv
 from unbroken.errors import EXIT_CONFIG, ConfigError
@@ -107,7 +110,11 @@ def run(fn: Callable[[RestartContext], T], *, config: RestartConfig | None = Non
             injector = _injector(env, ledger)
         except (ValueError, FileNotFoundError) as e:
             raise ConfigError(str(e)) from e
-        with activate(NULL if ledger is None else ledger), node.provide(_node_tiers(env)):
+        with (
+            activate(NULL if ledger is None else ledger),
+            node.provide(_node_tiers(env)),
+            forkserver.serving(),  # before fn builds anything: its writers share no page of it
+        ):
             value = restart.run(_with_hooks(fn, injector), config=config, ledger=ledger, env=env)
     except (Escalated, RankExcluded, ConfigError, KeyboardInterrupt, SystemExit):
         if ledger is not None:

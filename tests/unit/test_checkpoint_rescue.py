@@ -31,14 +31,21 @@ class _Cursor:
         self.acc = state["acc"].clone()
 
 
-def _run(tmp_path: Path, model: torch.nn.Module, optim: torch.optim.Optimizer) -> Any:
+def _run(
+    tmp_path: Path, model: torch.nn.Module, optim: torch.optim.Optimizer, *, rescue: bool = True
+) -> Any:
     """Steps 0-4 through ``maybe_save`` (a snapshot after step 2, notes after 3 and 4), and
     what the state was after step 4."""
     cursor = _Cursor()
     state = {"model": model, "optim": optim, "cursor": cursor, "rng": PerRank(_Cursor())}
     led = Ledger(tmp_path, run="t", rank=0)
     ck = Checkpointer(
-        tmp_path / "ckpt", ledger=led, every_steps=100, snapshot_every=3, overlap=True
+        tmp_path / "ckpt",
+        ledger=led,
+        every_steps=100,
+        snapshot_every=3,
+        overlap=True,
+        rescue=rescue,
     )
     for step in range(5):
         train_step(model, optim)
@@ -87,6 +94,24 @@ def test_a_fault_before_the_optimizer_step_rescues_the_noted_step(tmp_path: Path
     assert torch.equal(cursor.acc, torch.full((3,), 10.0))
     stages = [e for e in read_events(tmp_path) if e.kind == "ckpt_stage"]
     assert [e.get("step") for e in stages if e.get("part") is None] == [2, 4]
+    # Every step after the first snapshot that was neither saved nor snapshotted was noted,
+    # and its time is a save's blocking time (checkpoint cost in the ledger), not a step's.
+    notes = [e for e in stages if e.get("part") == "note"]
+    assert [e.get("step") for e in notes] == [3, 4]
+    assert all(e.dur_s is not None and e.dur_s > 0 for e in notes)
+
+
+def test_without_rescue_nothing_is_noted_and_a_fault_keeps_the_last_snapshot(
+    tmp_path: Path,
+) -> None:
+    torch.manual_seed(0)
+    model, optim = mlp(0)
+    ck, led, _ = _run(tmp_path, model, optim, rescue=False)
+    _interrupted_forward(model)
+    ck.abort()
+    assert _restore(tmp_path, led)[0] == 2
+    stages = [e for e in read_events(tmp_path) if e.kind == "ckpt_stage"]
+    assert not [e for e in stages if e.get("part") == "note"]
 
 
 @pytest.mark.parametrize("change", ["optimizer step", "replaced parameter", "learning rate"])

@@ -3,7 +3,8 @@
 Owns: resolving a training state into DCP write items (``resolve``; ``savecache`` and
 ``reuse``: what one save keeps for the next), the shared staging arena
 and the copy into it (``arena``, ``staging``), the save in flight and its persistent per-rank
-writer process (``inflight``, ``writer``, ``client``, ``protocol``), the hooks fault injection
+writer process (``inflight``, ``writer``, ``client``, ``protocol``; ``forkserver``: the small
+copy of the trainer ``unbroken.run`` forks writers from), the hooks fault injection
 and tests hand that process (``hooks``), the on-disk layout, commit protocol and retention
 (``layout``, ``commit``), restore and the memory tier (``restore``, ``memory``, ``tiers``, and
 ``keeper``: the worker's side of the node agent's hold on its arena; ``node``: the keeper and

@@ -178,11 +178,15 @@ class Checkpointer:
     def note(self, step: int, state: Mapping[str, Any]) -> bool:
         """Note completed ``step`` without staging it (memory tier): an ``abort`` unwinding
         from a fault snapshots it from the live state if unchanged (``rescue``)."""
-        if not self.config.memory_tier or self._closed:
+        if not (self.config.memory_tier and self.config.rescue) or self._closed:
             return False
+        t0 = time.time()
         o, w = self.config.overlap, self.world_size
         args = plan_args(state, rank=self.rank, world_size=w, overlap=o, stage_all=True)
-        return self._notes.take(step, state, self._cache.plan, args)
+        if not self._notes.take(step, state, self._cache.plan, args):
+            return False  # refused at once (before the first save, a model with buffers)
+        self._blocked(t0, step, "note")
+        return True
 
     def _stage(self, step: int, state: Mapping[str, Any], *, durable: bool) -> bool:
         t0 = time.time()
@@ -306,12 +310,9 @@ class Checkpointer:
         if self._staging.copying:
             t0 = time.time()
             self._staging.wait()
-            end = time.time()
+            end = self._blocked(t0, self._last_step, "overlap")
             if self._stats.stall_s:
                 self._stats.stall_s[-1] += end - t0
-            self._stats.blocking_s += end - t0
-            step = self._last_step
-            self._ledger.interval(ev.CKPT_STAGE, begin=t0, end=end, step=step, part="overlap")
         self._inflight.wait_staged()
 
     def wait(self) -> None:
@@ -423,12 +424,7 @@ class Checkpointer:
 
     def stats(self) -> CheckpointStats:
         """A copy of this Checkpointer's counters."""
-        return dataclasses.replace(
-            self._stats,
-            stall_s=list(self._stats.stall_s),
-            persist_s=list(self._stats.persist_s),
-            commit_s=list(self._stats.commit_s),
-        )
+        return self._stats.copy()
 
     @property
     def staging_bytes(self) -> int:
@@ -463,7 +459,7 @@ class Checkpointer:
         (``unbroken.mask``): a restart interrupt waits for it to complete."""
         if self._closed:
             return
-        if self.config.memory_tier:  # the noted step, if unchanged (``rescue``)
+        if self.config.memory_tier and self.config.rescue:  # the noted step, if unchanged
             self._notes.rescue(self._last_step, self._cache.plan, self._stage, self._staging.wait)
         self._closed = True
         self._inflight.kill_writer()
@@ -473,6 +469,13 @@ class Checkpointer:
             logger.exception("stopping the checkpoint writer")
 
     # --- internals ---------------------------------------------------------------------------
+    def _blocked(self, t0: float, step: int | None, part: str) -> float:
+        """Record ``[t0, now]`` as the trainer blocked by ``part`` of a save; returns now."""
+        end = time.time()
+        self._stats.blocking_s += end - t0
+        self._ledger.interval(ev.CKPT_STAGE, begin=t0, end=end, step=step, part=part)
+        return end
+
     def _check(self) -> None:
         if self._closed:
             raise CheckpointError("this Checkpointer is closed")

@@ -23,13 +23,16 @@ Two ways to start the writer (``start``):
   pickle, ``torch.save`` of CPU tensors; never CUDA) — the same contract as DataLoader
   workers. ``tests/unit/test_checkpoint_fork.py`` forks while other threads hold each of
   these.
+  Inside ``forkserver.serving()`` (``unbroken.run``, the reference script) the fork is the
+  fork server's, of a copy of the trainer made before its model: the writer then shares no
+  page the trainer writes (``forkserver``); the trainer signals it by pid and hears how it
+  ended from the server.
 * ``"spawn"``: a fresh interpreter (``python -m unbroken.checkpoint.writer``).
 """
 
 from __future__ import annotations
 
 import contextlib
-import gc
 import logging
 import os
 import signal
@@ -38,12 +41,11 @@ import subprocess
 import sys
 import threading
 import time
-import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal
 
-from unbroken.checkpoint import protocol
+from unbroken.checkpoint import forkserver, protocol
 from unbroken.checkpoint.config import CheckpointError, WriterStart
 
 logger = logging.getLogger(__name__)
@@ -62,52 +64,17 @@ def describe_exit(code: int | None) -> str:
     return f"exited with code {code}"
 
 
-def _replace_inherited_fds(keep: set[int]) -> None:
-    """In a forked child: point every descriptor not in ``keep`` at /dev/null."""
-    null = os.open(os.devnull, os.O_RDWR)
-    try:
-        for name in os.listdir("/proc/self/fd"):
-            fd = int(name)
-            if fd not in keep and fd != null:
-                with contextlib.suppress(OSError):  # the listing's own descriptor is gone
-                    os.dup2(null, fd, inheritable=False)
-    finally:
-        os.close(null)
-
-
-def _reset_signal_handlers() -> None:
-    """In a forked child: every signal the trainer handles in Python back to its default
-    (the writer installs its own), so none of the trainer's handlers runs in the writer."""
-    for sig in signal.valid_signals() - {signal.SIGINT}:  # the writer ignores SIGINT itself
-        with contextlib.suppress(OSError, ValueError):
-            if callable(signal.getsignal(sig)):
-                signal.signal(sig, signal.SIG_DFL)
-
-
 def _fork_writer(argv: list[str], sock_fd: int) -> int:
-    """Fork a writer serving ``sock_fd``; returns its pid (see the module docstring)."""
+    """Fork a writer serving ``sock_fd`` from this process; its pid (see the module docstring)."""
     from unbroken.checkpoint import writer
 
     writer.preload()
     pid = os.fork()
     if pid:
         return pid
-    code = 70
-    try:
-        # Never collect what the trainer left: its pending garbage (the process group and model
-        # of an iteration that just failed) has C++ destructors that join threads the child
-        # does not have. Measured: a forked writer hung in such a collection mid-run.
-        gc.freeze()
-        _replace_inherited_fds({0, 1, 2, sock_fd})
-        with contextlib.suppress(ValueError):
-            signal.set_wakeup_fd(-1)
-        _reset_signal_handlers()
-        code = writer.main(argv)
-    except BaseException:  # noqa: BLE001 - report anything, then leave without cleanup
-        with contextlib.suppress(Exception):
-            traceback.print_exc()
-    finally:
-        os._exit(code)
+    forkserver.prepare_child({sock_fd})
+    forkserver.run_writer(argv)
+    raise AssertionError("unreachable: run_writer leaves the process")
 
 
 class _ForkedProcess:
@@ -181,8 +148,6 @@ class WriterClient:
         args = [
             "--fd",
             str(theirs.fileno()),
-            "--parent-pid",
-            str(os.getpid()),
             "--root",
             str(root),
             "--rank",
@@ -201,16 +166,29 @@ class WriterClient:
         ]
         # PR_SET_PDEATHSIG fires when the *thread* that forked the child exits; only ask for it
         # from the main thread, which lives as long as the process.
-        if threading.current_thread() is threading.main_thread():
-            args.append("--pdeathsig")
-        self.proc: subprocess.Popen[bytes] | _ForkedProcess
+        pdeathsig = ["--pdeathsig"] if threading.current_thread() is threading.main_thread() else []
+        self.proc: subprocess.Popen[bytes] | _ForkedProcess | forkserver.ServedProcess
         try:
-            if self.start == "fork":
-                self.proc = _ForkedProcess(_fork_writer(args, theirs.fileno()))
+            server = forkserver.current() if self.start == "fork" else None
+            served = None
+            if server is not None:  # the server's only thread forks: it may always ask
+                try:
+                    served = server.fork_writer(
+                        [*args, "--parent-pid", str(server.pid), "--pdeathsig"], theirs.fileno()
+                    )
+                except CheckpointError as e:
+                    logger.warning("%s; forking the writer from the trainer", e)
+            if served is not None:
+                assert server is not None
+                self.proc = forkserver.ServedProcess(server, served)
+            elif self.start == "fork":
+                own = [*args, "--parent-pid", str(os.getpid()), *pdeathsig]
+                self.proc = _ForkedProcess(_fork_writer(own, theirs.fileno()))
             else:
                 env = dict(os.environ)
                 env["PYTHONPATH"] = _PKG_ROOT + os.pathsep + env.get("PYTHONPATH", "")
-                cmd = [sys.executable, "-m", "unbroken.checkpoint.writer", *args]
+                own = [*args, "--parent-pid", str(os.getpid()), *pdeathsig]
+                cmd = [sys.executable, "-m", "unbroken.checkpoint.writer", *own]
                 self.proc = subprocess.Popen(
                     cmd, pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL, env=env
                 )

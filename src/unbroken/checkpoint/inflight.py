@@ -11,6 +11,7 @@ A save the writer reports failed is raised once, and later saves go on.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -54,6 +55,15 @@ class CheckpointStats:
     """All time the trainer spent blocked in this Checkpointer's save path."""
     staged_bytes: int = 0
     """Bytes of the last save."""
+
+    def copy(self) -> CheckpointStats:
+        """A copy that later saves do not change."""
+        return dataclasses.replace(
+            self,
+            stall_s=list(self.stall_s),
+            persist_s=list(self.persist_s),
+            commit_s=list(self.commit_s),
+        )
 
 
 @dataclass

@@ -77,8 +77,9 @@ def _checkpoint(index: EventIndex, steps_ts: list[tuple[float, int]], now: float
                 persist = e if persist is None or e.ts >= persist.ts else persist
             continue
         elif e.kind == ev.CKPT_STAGE:
-            stage = e if stage is None or e.ts >= stage.ts else stage
-            staged[int(e.get("step", -1))] = e.ts
+            if e.get("part") != "note":  # a note blocks, but stages nothing
+                stage = e if stage is None or e.ts >= stage.ts else stage
+                staged[int(e.get("step", -1))] = e.ts
             if e.dur_s is not None:
                 blocking.append(e.dur_s)
         elif e.kind == ev.CKPT_PERSIST:

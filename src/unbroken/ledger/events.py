@@ -24,7 +24,9 @@ from typing import Any
 PROCESS_START = "process_start"  # ts = the process's creation time; data: pid, host
 PHASE = "phase"  # interval; data: name (one of PHASES)
 STEP = "step"  # interval from the previous step boundary; data: step, loss
-CKPT_STAGE = "ckpt_stage"  # interval the trainer was blocked by a save; data: step, bytes
+# Interval the trainer was blocked by a save; data: step, bytes, or part: "overlap" (waiting for
+# a background copy) or "note" (a step noted for a rescue, unbroken.checkpoint.rescue).
+CKPT_STAGE = "ckpt_stage"
 CKPT_PERSIST = "ckpt_persist"  # background interval; data: step, bytes
 CKPT_COMMIT = "ckpt_commit"  # data: step
 CKPT_SKIP = "ckpt_skip"  # data: step, reason

@@ -123,6 +123,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="keep no snapshots in memory: every restore reads the newest checkpoint on disk",
     )
     p.add_argument(
+        "--no-rescue",
+        action="store_true",
+        help="note no step between snapshots: a fault the workers unwind from restores the last "
+        "snapshot instead of the step it interrupted (saves ~0.6 ms a step)",
+    )
+    p.add_argument(
         "--no-peer-replica",
         action="store_true",
         help="in a multi-node unbroken-run job, send no snapshot to another node and fetch "

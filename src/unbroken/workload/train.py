@@ -47,7 +47,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.elastic.multiprocessing.errors import get_error_handler, record
 
 from unbroken import heartbeat, restart
-from unbroken.checkpoint import Checkpointer, PerRank, WriterHooks
+from unbroken.checkpoint import Checkpointer, PerRank, WriterHooks, forkserver
 from unbroken.checkpoint.interval import AdaptiveInterval
 from unbroken.env import WorkerEnv
 from unbroken.errors import EXIT_CONFIG, ConfigError
@@ -130,6 +130,7 @@ def _checkpointer(
         overlap=True,
         snapshot_every=args.snapshot_every,
         memory_tier=not args.no_memory_tier,
+        rescue=not args.no_rescue,
         memory_keeper=env.memory_keeper or "",
         peers=() if args.no_peer_replica else env.peers,
         peer_index=env.group_rank if env.peers else -1,
@@ -372,7 +373,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if env.restart_count > 0:
         ledger.emit(ev.RESTART_END, layer="launcher")
     try:
-        digest = train(args, env, ledger, run_dir)
+        with forkserver.serving():  # before any model: writers share no page with it
+            digest = train(args, env, ledger, run_dir)
     except (restart.Escalated, restart.RankExcluded) as e:
         # In-process restart gave up (the launcher takes over) or dropped this rank.
         logger.error("%s", e)
