@@ -4,6 +4,8 @@
 #   clean      no faults (the reference final state)
 #   inprocess  in-process restart with unbroken-run behind it (every layer)
 #   launcher   unbroken-run restarts only (--no-inprocess)
+#   inprocess-nofault, launcher-nofault
+#              those two without faults: what each gives up to its faults is the gap to its twin
 #   baseline   Kubernetes alone, on the emulated cluster: a failed pod fails the job and the
 #              JobSet recreates every pod (after --pod-restart-s); a hang ends by the peers'
 #              collective timeout
@@ -18,7 +20,7 @@ OUT=${OUT:-runs/demo-$(date +%Y%m%d-%H%M%S)}
 export OMP_NUM_THREADS=1
 rc=0
 .venv/bin/unbroken bench recovery \
-  --configs inprocess launcher baseline \
+  --configs inprocess-nofault inprocess launcher-nofault launcher baseline \
   --model tiny --steps 500 --batch-size 8 --seq-len 64 --ckpt-every 5 --snapshot-every 2 \
   --faults 5 --kinds exception sigkill hang --seed 42 \
   --hang-timeout-s 0.5 --pg-timeout-s 3 --pod-restart-s 1 \

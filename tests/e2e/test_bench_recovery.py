@@ -71,3 +71,52 @@ def test_bench_recovery_clean_vs_baseline(tmp_path: Path) -> None:
     with KnowledgeBase(tmp_path / "kb.sqlite", create=False) as kb:
         assert {r["name"] for r in kb.runs()} == {"clean", "baseline"}
         assert [h.name for h in kb.search("sigkill")] == ["baseline"]
+
+
+def test_a_faulted_run_is_compared_with_its_fault_free_twin(tmp_path: Path) -> None:
+    res = run(
+        [
+            sys.executable,
+            "-m",
+            "unbroken.cli",
+            "bench",
+            "recovery",
+            "--configs",
+            "launcher-nofault",
+            "launcher",
+            "--steps",
+            "12",
+            "--seq-len",
+            "32",
+            "--batch-size",
+            "4",
+            "--ckpt-every",
+            "4",
+            "--snapshot-every",
+            "2",
+            "--faults",
+            "1",
+            "--kinds",
+            "exception",
+            "--hang-timeout-s",
+            "5",
+            "--out",
+            str(tmp_path / "bench"),
+            "--json",
+            str(tmp_path / "rows.json"),
+            "--kb",
+            str(tmp_path / "kb.sqlite"),
+        ],
+        timeout_s=240,
+    )
+    assert res.returncode == 0, res.output[-4000:]
+    rows = {r["config"]: r for r in json.loads((tmp_path / "rows.json").read_text())}
+    assert set(rows) == {"clean", "launcher-nofault", "launcher"}
+    assert all(r["matches_clean"] for r in rows.values())
+    twin, faulted = rows["launcher-nofault"], rows["launcher"]
+    assert twin["recovery_s"] == [] and twin["fault_cost"] == 0.0  # the plan was not given it
+    assert len(faulted["recovery_s"]) == 1 and faulted["fault_cost"] > 0.0
+    assert faulted["reference"] == "launcher-nofault" and twin["reference"] is None
+    gap = twin["training_goodput"] - faulted["training_goodput"]
+    assert faulted["goodput_gap"] == pytest.approx(gap)
+    assert "against launcher-nofault" in res.output

@@ -11,12 +11,16 @@ the same ledger code (``unbroken.ledger.goodput``). Configurations:
 - ``inprocess`` / ``launcher`` (with ``-sync`` variants): registered by the layers that provide
   them (``RUNNERS``), when present. They run ``unbroken-run`` as the one pod of an Indexed Job
   on the same emulated cluster (``run_node``), which replaces it, after the same pod-restart
-  delay, only when a ``node-loss`` fault took the whole node.
+  delay, only when a ``node-loss`` fault took the whole node;
+- ``inprocess-nofault`` / ``launcher-nofault``: those two without the plan, the fault-free
+  twins their goodput gap is taken against (``recovery_table``).
 
 Correctness column: a configuration that recovers must end with the clean run's
-``final_state_sha256``. The gap to the clean run's goodput splits into ``faults`` (what they
-cost: the ledger's ``fault_s``, restarted processes' start-up included) and ``ckpt`` (saves' and snapshots' blocking: the price of being
-ready), shares of the wall time, beside the median step (where background work shows).
+``final_state_sha256``. A faulted run's gap to its fault-free reference (its twin, else clean)
+is in points of training goodput; what it is made of: ``faults`` (what they cost: the ledger's
+``fault_s``, restarted processes' start-up included) and ``ckpt`` (saves', snapshots' and
+notes' blocking: the price of being ready), shares of the wall time, beside the median step
+(where background work shows).
 """
 
 from __future__ import annotations
@@ -27,11 +31,10 @@ import json
 import logging
 import os
 import re
-import statistics
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +44,7 @@ from unbroken.bench.orchestrator import (
     run_orchestrated,
     train_command,
 )
+from unbroken.bench.recovery_table import NO_FAULTS, ConfigResult, format_table, pct, set_gaps
 from unbroken.faults import load_plan, parse_plan
 from unbroken.launcher.config import DEFAULT_PRELOAD
 from unbroken.ledger import goodput, read_events
@@ -235,48 +239,21 @@ RUNNERS: dict[str, tuple[str, Runner]] = {
         "unbroken-run restarts only, async ckpt",
         _unbroken(inprocess=False, mode="async"),
     ),
+    # Fault-free twins: the same runs without the plan, the references of the gaps.
+    "inprocess" + NO_FAULTS: (
+        "the inprocess configuration, no faults",
+        _unbroken(inprocess=True, mode="async"),
+    ),
+    "launcher" + NO_FAULTS: (
+        "the launcher configuration, no faults",
+        _unbroken(inprocess=False, mode="async"),
+    ),
     "launcher-sync": (
         "unbroken-run restarts only, sync ckpt",
         _unbroken(inprocess=False, mode="sync"),
     ),
     "baseline": ("orchestrator only (emulated Kubernetes restart)", _run_baseline),
 }
-
-
-@dataclass
-class ConfigResult:
-    """One configuration's figures (the JSON row)."""
-
-    config: str
-    label: str
-    returncode: int
-    figures: dict[str, Any] = field(default_factory=dict)
-    view: RunView | None = None
-    """The run's events and report, for the HTML page (None when it left no ledger)."""
-    final_state_sha256: str | None = None
-    matches_clean: bool | None = None
-
-    def row(self) -> dict[str, Any]:
-        f = self.figures
-        return {
-            "config": self.config,
-            "label": self.label,
-            "returncode": self.returncode,
-            "training_goodput": f.get("training_goodput"),
-            "infra_goodput": f.get("infra_goodput"),
-            "availability": f.get("availability"),
-            "recovery_s": [x["recovery_s"] for x in f.get("faults", [])],
-            "steps_lost": [x["steps_lost"] for x in f.get("faults", [])],
-            "detection_s": [x["detection_s"] for x in f.get("faults", [])],
-            "wall_s": f.get("wall_s"),
-            "checkpoint_efficiency": f.get("checkpoint_efficiency"),
-            "fault_cost": _fraction(f, f.get("fault_s")),
-            "checkpoint_cost": _fraction(f, (f.get("badput_s") or {}).get("checkpoint_save")),
-            "step_time_s_median": f.get("step_time_s_median"),
-            "ettr": f.get("ettr"),
-            "final_state_sha256": self.final_state_sha256,
-            "matches_clean": self.matches_clean,
-        }
 
 
 def default_plan(steps: int, count: int, seed: int, kinds: list[str]) -> dict[str, Any]:
@@ -333,7 +310,8 @@ def run_bench(a: argparse.Namespace) -> list[ConfigResult]:
         run_dir = out_dir / name
         print(f"== {name}: {label}", flush=True)
         t = time.monotonic()
-        code, output = runner(w, run_dir, None if name == "clean" else plan, a)
+        faulted = name != "clean" and not name.endswith(NO_FAULTS)
+        code, output = runner(w, run_dir, plan if faulted else None, a)
         (out_dir / f"{name}.log").write_text(output)
         res = ConfigResult(name, label, code)
         final = run_dir / "final.json"
@@ -352,57 +330,12 @@ def run_bench(a: argparse.Namespace) -> list[ConfigResult]:
             logger.error("%s: no figures: %s", name, e)
         print(
             f"   done in {time.monotonic() - t:.1f}s, exit {code}, "
-            f"goodput {_pct(res.figures.get('training_goodput'))}",
+            f"goodput {pct(res.figures.get('training_goodput'))}",
             flush=True,
         )
         results.append(res)
+    set_gaps(results)
     return results
-
-
-def _fraction(figures: dict[str, Any], seconds: float | None) -> float | None:
-    """``seconds`` as a share of the run's wall time (None without either)."""
-    wall = figures.get("wall_s")
-    return None if seconds is None or not wall else float(seconds) / float(wall)
-
-
-def _pct(x: float | None) -> str:
-    return "–" if x is None else f"{100 * x:.1f}%"
-
-
-def _ms(x: float | None) -> str:
-    return "–" if x is None else f"{1000 * x:.1f}"
-
-
-def _num(xs: list[Any]) -> str:
-    vals = [x for x in xs if x is not None]
-    if not vals:
-        return "–"
-    return f"{statistics.median(vals):.2f}/{max(vals):.2f}"
-
-
-def format_table(results: list[ConfigResult]) -> str:
-    w = max([12, *(len(r.config) for r in results)])
-    head = (
-        f"{'config':<{w}} {'train goodput':>13} {'infra goodput':>13} {'avail':>6} "
-        f"{'recovery s p50/max':>19} "
-        f"{'steps lost':>12} {'detect s p50':>12} {'ckpt eff':>9} {'faults':>7} {'ckpt':>6} "
-        f"{'step ms':>8} {'ETTR':>7} {'wall s':>8} {'= clean':>8}"
-    )
-    lines = [head, "-" * len(head)]
-    for r in results:
-        row = r.row()
-        lost = [x for x in row["steps_lost"] if x is not None]
-        det = [x for x in row["detection_s"] if x is not None]
-        lines.append(
-            f"{r.config:<{w}} {_pct(row['training_goodput']):>13} {_pct(row['infra_goodput']):>13} "
-            f"{_pct(row['availability']):>6} {_num(row['recovery_s']):>19} {(str(sum(lost)) if lost else '–'):>12} "
-            f"{(f'{statistics.median(det):.3f}' if det else '–'):>12} "
-            f"{_pct(row['checkpoint_efficiency']):>9} {_pct(row['fault_cost']):>7} "
-            f"{_pct(row['checkpoint_cost']):>6} {_ms(row['step_time_s_median']):>8} "
-            f"{_pct(row['ettr']):>7} "
-            f"{(row['wall_s'] or 0):>8.1f} {('yes' if r.matches_clean else 'NO'):>8}"
-        )
-    return "\n".join(lines)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

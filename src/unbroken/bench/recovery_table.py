@@ -1,0 +1,130 @@
+"""``unbroken bench recovery``'s results: one row per configuration, the table, the gaps.
+
+A configuration's *gap* is how many points of training goodput it gives up against its
+fault-free reference: its twin ``<config>-nofault`` (the same configuration without the fault
+plan, when that ran) or else ``clean``. The twin isolates what the faults cost; against
+``clean`` the gap also holds what being ready for them costs (the memory snapshots) and the
+runs' other differences (clean's ranks are one-rank pods, like the baseline's).
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass, field
+from typing import Any
+
+from unbroken.ledger.html import RunView
+
+NO_FAULTS = "-nofault"
+"""Suffix of a configuration's fault-free twin."""
+
+
+@dataclass
+class ConfigResult:
+    """One configuration's figures (the JSON row)."""
+
+    config: str
+    label: str
+    returncode: int
+    figures: dict[str, Any] = field(default_factory=dict)
+    view: RunView | None = None
+    """The run's events and report, for the HTML page (None when it left no ledger)."""
+    final_state_sha256: str | None = None
+    matches_clean: bool | None = None
+    reference: str | None = None
+    """The fault-free run its gap is taken against (``set_gaps``)."""
+    gap: float | None = None
+    """Its training goodput below the reference's, a share (``set_gaps``)."""
+
+    def row(self) -> dict[str, Any]:
+        f = self.figures
+        return {
+            "config": self.config,
+            "label": self.label,
+            "returncode": self.returncode,
+            "training_goodput": f.get("training_goodput"),
+            "infra_goodput": f.get("infra_goodput"),
+            "availability": f.get("availability"),
+            "recovery_s": [x["recovery_s"] for x in f.get("faults", [])],
+            "steps_lost": [x["steps_lost"] for x in f.get("faults", [])],
+            "detection_s": [x["detection_s"] for x in f.get("faults", [])],
+            "wall_s": f.get("wall_s"),
+            "checkpoint_efficiency": f.get("checkpoint_efficiency"),
+            "fault_cost": _fraction(f, f.get("fault_s")),
+            "checkpoint_cost": _fraction(f, (f.get("badput_s") or {}).get("checkpoint_save")),
+            "step_time_s_median": f.get("step_time_s_median"),
+            "ettr": f.get("ettr"),
+            "reference": self.reference,
+            "goodput_gap": self.gap,
+            "final_state_sha256": self.final_state_sha256,
+            "matches_clean": self.matches_clean,
+        }
+
+
+def set_gaps(results: list[ConfigResult]) -> None:
+    """Give every run with faults its reference and gap (see the module docstring)."""
+    by_name = {r.config: r for r in results}
+    for r in results:
+        if r.config == "clean" or r.config.endswith(NO_FAULTS):
+            continue
+        ref = by_name.get(r.config + NO_FAULTS) or by_name.get("clean")
+        mine = r.figures.get("training_goodput")
+        theirs = None if ref is None else ref.figures.get("training_goodput")
+        if ref is not None and mine is not None and theirs is not None:
+            r.reference, r.gap = ref.config, float(theirs) - float(mine)
+
+
+def _fraction(figures: dict[str, Any], seconds: float | None) -> float | None:
+    """``seconds`` as a share of the run's wall time (None without either)."""
+    wall = figures.get("wall_s")
+    return None if seconds is None or not wall else float(seconds) / float(wall)
+
+
+def pct(x: float | None) -> str:
+    return "–" if x is None else f"{100 * x:.1f}%"
+
+
+def _points(x: float | None) -> str:
+    return "–" if x is None else f"{100 * x:.2f}"
+
+
+def _ms(x: float | None) -> str:
+    return "–" if x is None else f"{1000 * x:.1f}"
+
+
+def _num(xs: list[Any]) -> str:
+    vals = [x for x in xs if x is not None]
+    if not vals:
+        return "–"
+    return f"{statistics.median(vals):.2f}/{max(vals):.2f}"
+
+
+def format_table(results: list[ConfigResult]) -> str:
+    w = max([12, *(len(r.config) for r in results)])
+    head = (
+        f"{'config':<{w}} {'train goodput':>13} {'gap':>6} {'infra goodput':>13} {'avail':>6} "
+        f"{'recovery s p50/max':>19} "
+        f"{'steps lost':>12} {'detect s p50':>12} {'ckpt eff':>9} {'faults':>7} {'ckpt':>6} "
+        f"{'step ms':>8} {'ETTR':>7} {'wall s':>8} {'= clean':>8}"
+    )
+    lines = [head, "-" * len(head)]
+    for r in results:
+        row = r.row()
+        lost = [x for x in row["steps_lost"] if x is not None]
+        det = [x for x in row["detection_s"] if x is not None]
+        lines.append(
+            f"{r.config:<{w}} {pct(row['training_goodput']):>13} {_points(r.gap):>6} "
+            f"{pct(row['infra_goodput']):>13} "
+            f"{pct(row['availability']):>6} {_num(row['recovery_s']):>19} {(str(sum(lost)) if lost else '–'):>12} "
+            f"{(f'{statistics.median(det):.3f}' if det else '–'):>12} "
+            f"{pct(row['checkpoint_efficiency']):>9} {pct(row['fault_cost']):>7} "
+            f"{pct(row['checkpoint_cost']):>6} {_ms(row['step_time_s_median']):>8} "
+            f"{pct(row['ettr']):>7} "
+            f"{(row['wall_s'] or 0):>8.1f} {('yes' if r.matches_clean else 'NO'):>8}"
+        )
+    refs = sorted({f"{r.config} against {r.reference}" for r in results if r.reference})
+    if refs:
+        lines.append(
+            f"gap: points of training goodput below the fault-free run ({'; '.join(refs)})"
+        )
+    return "\n".join(lines)
