@@ -88,20 +88,23 @@ def test_a_fault_between_snapshots_rescues_the_step_it_interrupted(
     assert {e.get("source") for e in _loads(tmp_path)} == {"process"}
 
 
-def test_without_in_process_restart_only_the_faulted_rank_rescues(
+def test_without_in_process_restart_the_faulted_rank_rescues(
     reference: str, tmp_path: Path
 ) -> None:
     """The same fault under --no-inprocess: the failing worker rescues step 6 into the memory
-    the agent keeps, but the launcher stops its peer (SIGTERM, in a collective: no unwinding),
-    so the newest step both hold is the snapshot of step 5."""
+    the agent keeps. Its peer rescues step 6 too only when its next collective fails before
+    the launcher's SIGTERM ends it (a race: the peer is in step 7's forward, or already past
+    its optimizer step); the restore takes the newest step both hold, bit-exact either way."""
     plan = _plan(tmp_path, "{step: 6, rank: 1, kind: exception}")
     extra = ["--faults", plan, "--snapshot-every", "3", "--no-inprocess"]
     assert _run(tmp_path, *extra) == [reference, reference]
     [fault] = goodput.compute(read_events(tmp_path)).faults
-    assert (fault.layer, fault.restore_tier, fault.restored_step) == ("launcher", "memory", 5)
-    assert fault.steps_lost == 1
     [load, *_] = _loads(tmp_path)
-    assert load.get("memory") == [[5, 3, 2], [6, 5, 3]], load.data
+    held = load.get("memory")
+    assert held[1] == [6, 5, 3], load.data  # the faulted rank rescued step 6
+    assert held[0] in ([5, 3, 2], [6, 5, 3]), load.data
+    assert (fault.layer, fault.restore_tier) == ("launcher", "memory")
+    assert fault.restored_step == held[0][0] and fault.steps_lost == 6 - held[0][0]
 
 
 def test_a_corrupt_memory_falls_back_to_disk(reference: str, tmp_path: Path) -> None:
