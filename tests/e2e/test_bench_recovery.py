@@ -8,46 +8,28 @@ from pathlib import Path
 
 import pytest
 
-from procs import run
+from procs import Result, run
 
 pytestmark = pytest.mark.e2e
 
 
+def _bench(tmp_path: Path, *args: str) -> Result:
+    """``unbroken bench recovery ARGS`` on the tiny workload into ``tmp_path``."""
+    common = ["--seq-len", "32", "--batch-size", "4", "--faults", "1"]
+    out = ["--out", str(tmp_path / "bench"), "--json", str(tmp_path / "rows.json")]
+    cmd = [sys.executable, "-m", "unbroken.cli", "bench", "recovery", *common, *args, *out]
+    res = run([*cmd, "--kb", str(tmp_path / "kb.sqlite")], timeout_s=240)
+    assert res.returncode == 0, res.output[-4000:]
+    return res
+
+
 def test_bench_recovery_clean_vs_baseline(tmp_path: Path) -> None:
     out = tmp_path / "bench"
-    res = run(
-        [
-            sys.executable,
-            "-m",
-            "unbroken.cli",
-            "bench",
-            "recovery",
-            "--configs",
-            "baseline",
-            "--steps",
-            "10",
-            "--seq-len",
-            "32",
-            "--batch-size",
-            "4",
-            "--ckpt-every",
-            "0",
-            "--faults",
-            "1",
-            "--kinds",
-            "sigkill",
-            "--pod-restart-s",
-            "0.2",
-            "--out",
-            str(out),
-            "--json",
-            str(tmp_path / "rows.json"),
-            "--kb",
-            str(tmp_path / "kb.sqlite"),
-        ],
-        timeout_s=240,
+    res = _bench(
+        tmp_path,
+        *("--configs", "baseline", "--steps", "10", "--ckpt-every", "0", "--kinds", "sigkill"),
+        *("--pod-restart-s", "0.2"),
     )
-    assert res.returncode == 0, res.output[-4000:]
     rows = {r["config"]: r for r in json.loads((tmp_path / "rows.json").read_text())}
     assert set(rows) == {"clean", "baseline"}
     assert all(r["matches_clean"] for r in rows.values())
@@ -74,42 +56,11 @@ def test_bench_recovery_clean_vs_baseline(tmp_path: Path) -> None:
 
 
 def test_a_faulted_run_is_compared_with_its_fault_free_twin(tmp_path: Path) -> None:
-    res = run(
-        [
-            sys.executable,
-            "-m",
-            "unbroken.cli",
-            "bench",
-            "recovery",
-            "--configs",
-            "launcher-nofault",
-            "launcher",
-            "--steps",
-            "12",
-            "--seq-len",
-            "32",
-            "--batch-size",
-            "4",
-            "--ckpt-every",
-            "4",
-            "--snapshot-every",
-            "2",
-            "--faults",
-            "1",
-            "--kinds",
-            "exception",
-            "--hang-timeout-s",
-            "5",
-            "--out",
-            str(tmp_path / "bench"),
-            "--json",
-            str(tmp_path / "rows.json"),
-            "--kb",
-            str(tmp_path / "kb.sqlite"),
-        ],
-        timeout_s=240,
+    res = _bench(
+        tmp_path,
+        *("--configs", "launcher-nofault", "launcher", "--steps", "12", "--kinds", "exception"),
+        *("--ckpt-every", "4", "--snapshot-every", "2", "--hang-timeout-s", "5"),
     )
-    assert res.returncode == 0, res.output[-4000:]
     rows = {r["config"]: r for r in json.loads((tmp_path / "rows.json").read_text())}
     assert set(rows) == {"clean", "launcher-nofault", "launcher"}
     assert all(r["matches_clean"] for r in rows.values())

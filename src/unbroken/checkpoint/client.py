@@ -77,12 +77,11 @@ def _fork_writer(argv: list[str], sock_fd: int) -> int:
     raise AssertionError("unreachable: run_writer leaves the process")
 
 
-class _ForkedProcess:
-    """The ``subprocess.Popen`` calls we use, for a child made with ``os.fork``."""
+class _ForkedProcess(forkserver.PolledProcess):
+    """A child made with ``os.fork``: this process reaps it."""
 
     def __init__(self, pid: int) -> None:
-        self.pid = pid
-        self.returncode: int | None = None
+        super().__init__(pid)
         self._lock = threading.Lock()
 
     def poll(self) -> int | None:
@@ -96,21 +95,6 @@ class _ForkedProcess:
                 if pid:
                     self.returncode = os.waitstatus_to_exitcode(status)
             return self.returncode
-
-    def wait(self, timeout: float | None = None) -> int:
-        deadline = None if timeout is None else time.monotonic() + timeout
-        delay = 0.0005
-        while (code := self.poll()) is None:
-            if deadline is not None and time.monotonic() >= deadline:
-                raise subprocess.TimeoutExpired(f"writer {self.pid}", timeout or 0.0)
-            time.sleep(delay)
-            delay = min(delay * 2, 0.05)
-        return code
-
-    def kill(self) -> None:
-        if self.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(self.pid, signal.SIGKILL)
 
 
 def default_start() -> Literal["fork", "spawn"]:
@@ -167,7 +151,7 @@ class WriterClient:
         # PR_SET_PDEATHSIG fires when the *thread* that forked the child exits; only ask for it
         # from the main thread, which lives as long as the process.
         pdeathsig = ["--pdeathsig"] if threading.current_thread() is threading.main_thread() else []
-        self.proc: subprocess.Popen[bytes] | _ForkedProcess | forkserver.ServedProcess
+        self.proc: subprocess.Popen[bytes] | forkserver.PolledProcess
         try:
             server = forkserver.current() if self.start == "fork" else None
             served = None

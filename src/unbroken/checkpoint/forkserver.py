@@ -32,6 +32,7 @@ import os
 import select
 import signal
 import socket
+import subprocess
 import threading
 import time
 import traceback
@@ -246,22 +247,18 @@ class ForkServer:
             os.waitpid(self.pid, 0)
 
 
-class ServedProcess:
-    """The ``subprocess.Popen`` calls the client uses, for a writer the server forked."""
+class PolledProcess:
+    """The ``subprocess.Popen`` calls the client uses (``poll``, ``wait``, ``kill``), for a
+    writer that is not a ``Popen``: ``poll`` says how it learns the exit code."""
 
-    def __init__(self, server: ForkServer, pid: int) -> None:
-        self.server = server
+    def __init__(self, pid: int) -> None:
         self.pid = pid
         self.returncode: int | None = None
 
     def poll(self) -> int | None:
-        if self.returncode is None:
-            self.returncode = self.server.returncode(self.pid)
-        return self.returncode
+        raise NotImplementedError
 
     def wait(self, timeout: float | None = None) -> int:
-        import subprocess
-
         deadline = None if timeout is None else time.monotonic() + timeout
         delay = 0.0005
         while (code := self.poll()) is None:
@@ -275,6 +272,19 @@ class ServedProcess:
         if self.poll() is None:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(self.pid, signal.SIGKILL)
+
+
+class ServedProcess(PolledProcess):
+    """A writer the server forked: its exit code comes from the server."""
+
+    def __init__(self, server: ForkServer, pid: int) -> None:
+        super().__init__(pid)
+        self.server = server
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            self.returncode = self.server.returncode(self.pid)
+        return self.returncode
 
 
 _current: ForkServer | None = None
