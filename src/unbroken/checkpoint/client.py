@@ -72,9 +72,7 @@ def _fork_writer(argv: list[str], sock_fd: int) -> int:
     pid = os.fork()
     if pid:
         return pid
-    forkserver.prepare_child({sock_fd})
-    forkserver.run_writer(argv)
-    raise AssertionError("unreachable: run_writer leaves the process")
+    forkserver.run_writer(argv, sock_fd=sock_fd)
 
 
 class _ForkedProcess(forkserver.PolledProcess):

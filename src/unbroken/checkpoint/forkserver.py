@@ -37,7 +37,7 @@ import threading
 import time
 import traceback
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, NoReturn
 
 from unbroken.checkpoint import protocol
 from unbroken.checkpoint.config import CheckpointError
@@ -83,12 +83,14 @@ def prepare_child(keep: set[int]) -> None:
     _reset_signal_handlers()
 
 
-def run_writer(argv: list[str]) -> None:
-    """A forked child's end: the writer's main, then ``os._exit`` (no parent's atexit runs)."""
+def run_writer(argv: list[str], *, sock_fd: int) -> NoReturn:
+    """A child just forked to be a writer on ``sock_fd``: ``prepare_child``, the writer's main,
+    then ``os._exit`` (nothing of the parent's runs in it, not even on an error)."""
     from unbroken.checkpoint import writer
 
     code = 70
     try:
+        prepare_child({sock_fd})
         code = writer.main(argv)
     except BaseException:  # noqa: BLE001 - report anything, then leave without cleanup
         with contextlib.suppress(Exception):
@@ -135,9 +137,8 @@ def _serve(sock: socket.socket, parent: int, *, pdeathsig: bool) -> None:
             protocol.send(sock, {"type": "refused", "why": f"not a fork request: {msg!r}"[:200]})
             continue
         pid = os.fork()
-        if pid == 0:
-            prepare_child({fds[0]})
-            run_writer([*msg["argv"], "--fd", str(fds[0])])  # its number here (the last wins)
+        if pid == 0:  # the descriptor's number here (the last --fd wins)
+            run_writer([*msg["argv"], "--fd", str(fds[0])], sock_fd=fds[0])
         os.close(fds[0])
         protocol.send(sock, {"type": "forked", "pid": pid})
 
