@@ -48,6 +48,8 @@ def test_figures_equal_the_report(tmp_path: Path) -> None:
     assert m["unbroken_wall_seconds_total"][()] == pytest.approx(rep.wall_s)
     for cat, s in rep.badput_s.items():
         assert m["unbroken_badput_seconds_total"][(("category", cat),)] == pytest.approx(s)
+    assert m["unbroken_fault_seconds_total"][()] == pytest.approx(rep.fault_s)
+    assert rep.fault_s > 0
     assert m["unbroken_steps_lost_total"][()] == sum(f.steps_lost for f in rep.faults)
     assert m["unbroken_restarts_total"] == {(("cause", "exception"), ("layer", "inprocess")): 3.0}
     assert m["unbroken_recovery_seconds_count"][()] == 3

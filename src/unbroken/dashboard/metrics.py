@@ -87,6 +87,11 @@ class LedgerCollector:
         badput = self._counter(
             "unbroken_badput_seconds", "Wall time lost, by badput category", ["category"]
         )
+        fault_cost = self._counter(
+            "unbroken_fault_seconds",
+            "What the faults cost: fault to training resumed, and the steps redone",
+            [],
+        )
         restarts = self._counter(
             "unbroken_restarts", "Faults restarted by a recovery layer", ["layer", "cause"]
         )
@@ -109,6 +114,7 @@ class LedgerCollector:
             self._add(productive, [run], rep.productive_s)
             for cat in BADPUT_CATEGORIES:
                 self._add(badput, [run, cat], rep.badput_s[cat])
+            self._add(fault_cost, [run], rep.fault_s)
             by_layer: dict[tuple[str, str], int] = {}
             by_kind: dict[str, int] = {}
             for f in rep.faults:
@@ -133,7 +139,8 @@ class LedgerCollector:
             )
             blocking.append((run, _durations(w, ev.CKPT_STAGE)))
             persist.append((run, _durations(w, ev.CKPT_PERSIST)))
-        yield from (wall, productive, badput, restarts, faults, lost, skipped, commits, launcher)
+        yield from (wall, productive, badput, fault_cost, restarts, faults, lost, skipped, commits)
+        yield launcher
         yield _histogram(
             "unbroken_recovery_seconds", "Fault to every rank training again", recovery
         )
