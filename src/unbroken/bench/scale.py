@@ -1,13 +1,15 @@
 """``unbroken bench scale``: the control plane past one machine, as curves over sizes.
 
-Four curves, each measured with the real code and lightweight stand-ins where a training
+Five curves, each measured with the real code and lightweight stand-ins where a training
 process is not needed (each module's docstring says exactly what is stood in):
 
 - ``heartbeat`` (``scale_heartbeat``): one launcher agent watching 8 -> 4096 ranks;
 - ``rendezvous`` (``scale_rendezvous``): 2 -> 32 agent processes forming and re-forming a round;
 - ``commit`` (``scale_commit``): 2 -> 1024 ranks' records merged into a committed checkpoint,
   then ``restore()``'s listing and checks;
-- ``report`` (``scale_ledger``): ``unbroken report`` on ranks x steps records, up to 1024 x 10k.
+- ``report`` (``scale_ledger``): ``unbroken report`` on ranks x steps records, up to 1024 x 10k;
+- ``spawn`` (``scale_spawn``): 1 -> 16 workers of one node started from the warm pool, against
+  cold starts.
 
 Each metric gets a power-law fit ``y = a * n^b`` on the upper half of its sizes (log-log least
 squares), named by its slope (constant, sublinear, linear, n log n, quadratic), and the size at
@@ -34,6 +36,7 @@ SIZES = {
     "rendezvous": ([2, 4, 8, 16, 32], [2, 4, 8]),
     "commit": ([2, 4, 8, 16, 32, 64, 128, 256, 512, 1024], [2, 16, 128, 1024]),
     "report": ([16, 64, 256, 1024], [16, 64, 256]),  # ranks, x 10k steps (--quick: 1000)
+    "spawn": ([1, 2, 4, 8, 16], [1, 2, 4, 8]),
 }
 CURVES = tuple(SIZES)
 # (curve, metric, unit, paid per, 1%-of-a-step figure?)
@@ -50,8 +53,16 @@ METRICS = (
     ("report", "report_memory_bytes", "B", "report (offline)", False),
     ("report", "unfolded_report_s", "s", "report, unfolded (before)", True),
     ("report", "unfolded_report_memory_bytes", "B", "report, unfolded (before)", False),
+    ("spawn", "warm_spawn_s", "s", "worker restart (the node's workers)", True),
+    ("spawn", "cold_spawn_s", "s", "worker restart without the warm pool", True),
 )
-X_NAME = {"heartbeat": "ranks", "rendezvous": "agents", "commit": "ranks", "report": "records"}
+X_NAME = {
+    "heartbeat": "ranks",
+    "rendezvous": "agents",
+    "commit": "ranks",
+    "report": "records",
+    "spawn": "workers",
+}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -108,13 +119,20 @@ def size_at(xs: list[float], ys: list[float], f: dict[str, Any] | None, budget: 
 
 
 def _run_curve(name: str, sizes: list[int], steps: int) -> list[dict[str, Any]]:
-    from unbroken.bench import scale_commit, scale_heartbeat, scale_ledger, scale_rendezvous
+    from unbroken.bench import (
+        scale_commit,
+        scale_heartbeat,
+        scale_ledger,
+        scale_rendezvous,
+        scale_spawn,
+    )
 
     measure: dict[str, Callable[[int], dict[str, Any]]] = {
         "heartbeat": scale_heartbeat.measure,
         "rendezvous": scale_rendezvous.measure,
         "commit": scale_commit.measure,
         "report": lambda n: scale_ledger.measure(n, steps),
+        "spawn": scale_spawn.measure,
     }
     rows = []
     for n in sizes:

@@ -16,6 +16,7 @@ import ctypes
 import io
 import os
 import runpy
+import select
 import signal
 import sys
 import time
@@ -63,8 +64,18 @@ def is_child_subreaper() -> bool:
         return False
 
 
-def _await_parent(agent_pid: int, *, timeout_s: float = 10.0) -> None:
+def _await_parent(agent_pid: int, *, gate_fd: int | None = None, timeout_s: float = 10.0) -> None:
+    """Wait to be the agent's child, then die with it. ``gate_fd`` (from the warm pool) reads
+    EOF when the intermediate that forked this worker exits: blocking on it, not polling, keeps
+    a node's waiting workers off the CPUs while the pool forks the rest."""
     deadline = time.monotonic() + timeout_s
+    if gate_fd is not None:
+        try:
+            while select.select([gate_fd], [], [], max(0.0, deadline - time.monotonic()))[0]:
+                if not os.read(gate_fd, 64):
+                    break
+        finally:
+            os.close(gate_fd)
     while os.getppid() != agent_pid:
         if time.monotonic() > deadline:
             os._exit(70)  # never re-parented to the agent: it is gone or not a subreaper
@@ -127,7 +138,7 @@ def _reseed() -> None:
 def become_worker(req: dict[str, Any], *, agent_pid: int) -> None:
     """Everything before the user's code; see the module docstring."""
     os.setsid()
-    _await_parent(agent_pid)
+    _await_parent(agent_pid, gate_fd=req.get("gate_fd"))
     _reset_signals()
     _redirect(0, os.devnull, os.O_RDONLY)
     append = os.O_WRONLY | os.O_CREAT | os.O_APPEND
