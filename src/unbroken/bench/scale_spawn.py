@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -37,8 +38,13 @@ def _await(paths: list[Path], timeout_s: float) -> float:
     return max(float(p.read_text()) for p in paths)
 
 
-def _reap(pids: list[int]) -> None:
+def _reap(pids: list[int], *, kill: bool = False) -> None:
+    """Reap ``pids`` (this process's children); with ``kill`` (the wait for them failed),
+    SIGKILL them first: no worker outlives the benchmark."""
     for pid in pids:
+        if kill:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
         with contextlib.suppress(ChildProcessError):
             os.waitpid(pid, 0)
 
@@ -74,13 +80,24 @@ def measure(
             for _ in range(trials_warm):
                 clear()
                 reqs = [
-                    {"kind": "script", "target": str(script), "args": [str(p)], "cwd": tmp}
-                    | {"env": env, "stdout": None, "stderr": None}
+                    {
+                        "kind": "script",
+                        "target": str(script),
+                        "args": [str(p)],
+                        "cwd": tmp,
+                        "env": env,
+                        "stdout": None,
+                        "stderr": None,
+                    }
                     for p in outs
                 ]
                 t0 = time.time()
                 pids = zygote.spawn(reqs, timeout_s=timeout_s)
-                warm.append(_await(outs, timeout_s) - t0)
+                try:
+                    warm.append(_await(outs, timeout_s) - t0)
+                except BaseException:
+                    _reap(pids, kill=True)
+                    raise
                 _reap(pids)
         finally:
             zygote.close()
@@ -97,9 +114,15 @@ def measure(
                 subprocess.Popen([sys.executable, "-c", code, str(script), str(p)], env=env)
                 for p in outs
             ]
-            cold.append(_await(outs, timeout_s) - t0)
-            for proc in procs:
-                proc.wait()
+            try:
+                cold.append(_await(outs, timeout_s) - t0)
+            except BaseException:
+                for proc in procs:
+                    proc.kill()
+                raise
+            finally:
+                for proc in procs:
+                    proc.wait()
     return {
         "workers": n,
         "warm_spawn_s": statistics.median(warm),
