@@ -150,6 +150,9 @@ UNBROKEN_AGENT_PID = "UNBROKEN_AGENT_PID"
 UNBROKEN_MEMORY_KEEPER = "UNBROKEN_MEMORY_KEEPER"
 """Unix socket ("@": abstract) of the node agent's memory keeper, which holds every worker's
 staging arena so that its snapshots outlive the worker (``unbroken.launcher.keeper``)."""
+UNBROKEN_WORKER_STARTED = "UNBROKEN_WORKER_STARTED"
+"""``<pid>:<epoch seconds>``: when a standby of the warm pool became this worker (its process
+is older); ``unbroken.ledger.process_start_time`` reports that for the process with this pid."""
 UNBROKEN_PEERS = "UNBROKEN_PEERS"
 """Comma-separated ``host:port#token`` of every node's peer memory service in the round, in
 group-rank order (``unbroken.checkpoint.peers``); a worker replicates its snapshots to the next

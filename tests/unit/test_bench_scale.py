@@ -81,14 +81,16 @@ def test_the_spawn_curve_starts_workers_from_the_warm_pool_and_cold() -> None:
     # In a child interpreter: the curve makes its process a subreaper (as the agent is).
     code = (
         "import json; from unbroken.bench import scale_spawn; "
-        "print(json.dumps(scale_spawn.measure(2, trials_warm=2, trials_cold=1)))"
+        "print(json.dumps(scale_spawn.measure(2, trials_warm=2, trials_standby=2, "
+        "trials_cold=1)))"
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=100)
     assert proc.returncode == 0, proc.stderr
     row = json.loads(proc.stdout.strip().splitlines()[-1])
     assert row["workers"] == 2
     assert len(row["warm_trials"]) == 2 and len(row["cold_trials"]) == 1
-    assert row["warm_spawn_s"] > 0 and row["cold_spawn_s"] > 0
+    assert len(row["standby_trials"]) == 2  # every worker of those trials was a standby
+    assert row["warm_spawn_s"] > 0 and row["standby_spawn_s"] > 0 and row["cold_spawn_s"] > 0
 
 
 def test_main_prints_the_table_and_writes_json(

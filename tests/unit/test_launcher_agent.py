@@ -59,6 +59,7 @@ class FakeWorkers:
     """Per round, a script of what each wait() returns; "tick" lets the timeout pass."""
 
     warm = True
+    standby = 0
 
     def __init__(self, clock: Clock, script: list[list[Any]]) -> None:
         self.clock = clock

@@ -79,3 +79,111 @@ def test_a_requests_workers_are_the_agents_children_and_share_no_pipe(
     # Every worker has the same descriptors: the pipes of the workers forked before it (the
     # pool holds them until it has read every pid) stay behind.
     assert len({tuple(w["fds"]) for w in workers}) == 1, workers
+
+
+_AGENT_STANDBY = textwrap.dedent(
+    """
+    import json, os, signal, sys, time
+    from pathlib import Path
+    from unbroken.launcher import bootstrap
+    from unbroken.launcher.zygote import Zygote
+
+    tmp, n, kill_one = Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3] == "kill"
+    me = os.getpid()
+    assert bootstrap.set_child_subreaper()
+    script = tmp / "worker.py"
+    script.write_text(
+        "import json, os, sys\\n"
+        "from unbroken.ledger import process_start_time\\n"
+        "fds = sorted(int(f) for f in os.listdir('/proc/self/fd'))\\n"
+        "out = {'pid': os.getpid(), 'ppid': os.getppid(), 'fds': fds,\\n"
+        "       'started': process_start_time()}\\n"
+        "open(sys.argv[1], 'w').write(json.dumps(out))\\n"
+    )
+
+    def children():
+        kids = set()
+        for name in os.listdir("/proc"):
+            try:
+                stat = Path(f"/proc/{name}/stat").read_text()
+            except (OSError, ValueError):
+                continue
+            if name.isdigit() and int(stat.rsplit(")", 1)[1].split()[1]) == me:
+                kids.add(int(name))
+        return kids
+
+    def start(pool, r):
+        outs = [tmp / f"worker-{r}-{i}.json" for i in range(n)]
+        reqs = [{"kind": "script", "target": str(script), "args": [str(o)], "cwd": str(tmp),
+                 "env": dict(os.environ), "stdout": None, "stderr": None} for o in outs]
+        asked = time.time()
+        pids = pool.spawn(reqs, timeout_s=60)
+        reaped = {}
+        while len(reaped) < n:
+            pid, status = os.waitpid(-1, 0)
+            if pid in pids:
+                reaped[pid] = os.waitstatus_to_exitcode(status)
+        return {"asked": asked, "pids": pids, "standby": pool.standby, "reaped": reaped,
+                "workers": [json.loads(o.read_text()) for o in outs]}
+
+    pool = Zygote(["json", "unbroken.ledger"], env=dict(os.environ))
+    try:
+        assert pool.wait_ready(60), "the warm pool did not come up"
+        first = start(pool, 0)
+        deadline = time.monotonic() + 30  # the standbys: the agent's children but the pool
+        while len(children() - {pool.pid}) < n:
+            assert time.monotonic() < deadline, "no standbys"
+            time.sleep(0.01)
+        standbys = sorted(children() - {pool.pid})
+        if kill_one:
+            os.kill(standbys[0], signal.SIGKILL)
+            os.waitpid(standbys[0], 0)
+        second = start(pool, 1)
+        deadline = time.monotonic() + 30  # and new standbys for the next restart
+        while len(children() - {pool.pid}) < n:
+            assert time.monotonic() < deadline, "no standbys after the restart"
+            time.sleep(0.01)
+    finally:
+        pool.close()
+    deadline = time.monotonic() + 30  # they end with the pool (EOF on their pipes)
+    while True:
+        try:
+            os.waitpid(-1, 0)
+        except ChildProcessError:
+            break
+        assert time.monotonic() < deadline
+    print(json.dumps({"agent": me, "standbys": standbys, "first": first, "second": second}))
+    """
+)
+
+
+@pytest.mark.parametrize("kill", ["none", "kill"])
+def test_a_restart_takes_standbys_that_run_as_workers_and_end_with_the_pool(
+    tmp_path: Path, kill: str
+) -> None:
+    agent = tmp_path / "agent.py"
+    agent.write_text(_AGENT_STANDBY)
+    proc = subprocess.run(
+        [sys.executable, str(agent), str(tmp_path), "2", kill],
+        capture_output=True,
+        text=True,
+        timeout=100,
+    )
+    assert proc.returncode == 0, proc.stderr  # and every child reaped: no standby left behind
+    doc = json.loads(proc.stdout.strip().splitlines()[-1])
+    first, second = doc["first"], doc["second"]
+    assert first["standby"] == 0  # the first start forks its workers
+    live = doc["standbys"][1:] if kill == "kill" else doc["standbys"]
+    assert second["standby"] == len(live)
+    assert set(live) <= set(second["pids"])  # the dead standby's worker was forked instead
+    for rnd in (first, second):
+        assert {int(p): c for p, c in rnd["reaped"].items()} == {p: 0 for p in rnd["pids"]}
+        assert all(w["ppid"] == doc["agent"] for w in rnd["workers"])
+    # A standby's worker has a forked worker's descriptors (no pipe of the pool's kept) and
+    # starts when it is asked for, not when its process was forked.
+    assert {tuple(w["fds"]) for w in first["workers"] + second["workers"]} == {
+        tuple(first["workers"][0]["fds"])
+    }
+    for w in second["workers"]:
+        if w["pid"] in live:
+            assert w["started"] >= second["asked"]

@@ -8,8 +8,8 @@ process is not needed (each module's docstring says exactly what is stood in):
 - ``commit`` (``scale_commit``): 2 -> 1024 ranks' records merged into a committed checkpoint,
   then ``restore()``'s listing and checks;
 - ``report`` (``scale_ledger``): ``unbroken report`` on ranks x steps records, up to 1024 x 10k;
-- ``spawn`` (``scale_spawn``): 1 -> 16 workers of one node started from the warm pool, against
-  cold starts.
+- ``spawn`` (``scale_spawn``): 1 -> 16 workers of one node started from the warm pool's
+  standbys and forked from it, against cold starts.
 
 Each metric gets a power-law fit ``y = a * n^b`` on the upper half of its sizes (log-log least
 squares), named by its slope (constant, sublinear, linear, n log n, quadratic), and the size at
@@ -53,7 +53,8 @@ METRICS = (
     ("report", "report_memory_bytes", "B", "report (offline)", False),
     ("report", "unfolded_report_s", "s", "report, unfolded (before)", True),
     ("report", "unfolded_report_memory_bytes", "B", "report, unfolded (before)", False),
-    ("spawn", "warm_spawn_s", "s", "worker restart (the node's workers)", True),
+    ("spawn", "standby_spawn_s", "s", "worker restart (the node's workers)", True),
+    ("spawn", "warm_spawn_s", "s", "worker restart, no standby (forked then)", True),
     ("spawn", "cold_spawn_s", "s", "worker restart without the warm pool", True),
 )
 X_NAME = {

@@ -117,6 +117,7 @@ class _StandInWorkers:
     """The agent's workers port: heartbeats from the sender process, kills recorded."""
 
     warm = True
+    standby = 0
 
     def __init__(self, n: int, *, period_s: float, silent: int, silent_after_s: float) -> None:
         self.n, self.period_s, self.silent, self.silent_after_s = (

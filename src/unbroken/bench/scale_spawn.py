@@ -5,7 +5,9 @@ Stood in: the worker's training script, a one-liner that records when it runs (t
 ``WorkerGroup`` around the pool is not needed to fork). The caller is made a child subreaper,
 as the agent is, so each worker is re-parented to it. Measured, the median of a few trials:
 
-- warm: the spawn request -> the last of the n workers running its script;
+- warm: the spawn request -> the last of the n workers running its script, forked then;
+- standby: the same from the pool's standbys (what a restart gets: the pool forks them while
+  it is idle, ``launcher.zygote``), each trial once they are there;
 - cold: ``Popen`` of n interpreters that import the warm pool's preload, then run the same
   script -> the last of them running it (what a restart pays without the pool).
 """
@@ -24,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 TRIALS_WARM = 5
+TRIALS_STANDBY = 5
 TRIALS_COLD = 2
 _SCRIPT = "import sys, time\nopen(sys.argv[1], 'w').write(repr(time.time()))\n"
 
@@ -49,10 +52,23 @@ def _reap(pids: list[int], *, kill: bool = False) -> None:
             os.waitpid(pid, 0)
 
 
+def _children() -> set[int]:
+    """This process's children (from /proc)."""
+    me, kids = os.getpid(), set()
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            if int(Path(f"/proc/{name}/stat").read_text().rsplit(")", 1)[1].split()[1]) == me:
+                kids.add(int(name))
+    return kids
+
+
 def measure(
     n: int,
     *,
     trials_warm: int = TRIALS_WARM,
+    trials_standby: int = TRIALS_STANDBY,
     trials_cold: int = TRIALS_COLD,
     timeout_s: float = 120.0,
 ) -> dict[str, Any]:
@@ -76,9 +92,16 @@ def measure(
         try:
             if not zygote.wait_ready(timeout_s):
                 raise RuntimeError("the warm pool did not come up")
-            warm = []
-            for _ in range(trials_warm):
+            warm: list[float] = []
+            standby: list[float] = []
+            for trial in range(trials_warm + trials_standby):
                 clear()
+                if trial >= trials_warm:  # wait for the pool's standbys (forked when idle)
+                    deadline = time.monotonic() + timeout_s
+                    while len(_children() - {zygote.pid}) < n:
+                        if time.monotonic() > deadline:
+                            raise RuntimeError("the warm pool made no standbys")
+                        time.sleep(0.005)
                 reqs = [
                     {
                         "kind": "script",
@@ -94,13 +117,20 @@ def measure(
                 t0 = time.time()
                 pids = zygote.spawn(reqs, timeout_s=timeout_s)
                 try:
-                    warm.append(_await(outs, timeout_s) - t0)
+                    took = _await(outs, timeout_s) - t0
                 except BaseException:
                     _reap(pids, kill=True)
                     raise
                 _reap(pids)
+                if trial < trials_warm:
+                    warm.append(took)
+                elif zygote.standby == n:
+                    standby.append(took)
+                else:
+                    raise RuntimeError(f"{n - zygote.standby} standby(s) missing at the start")
         finally:
             zygote.close()
+            _reap(list(_children()))  # the standbys left, which end with the pool
         preload = "; ".join(f"import {m}" for m in DEFAULT_PRELOAD)
         code = (
             f"{preload}\nimport sys, runpy\nsys.argv = sys.argv[1:]\n"
@@ -126,7 +156,9 @@ def measure(
     return {
         "workers": n,
         "warm_spawn_s": statistics.median(warm),
+        "standby_spawn_s": statistics.median(standby),
         "cold_spawn_s": statistics.median(cold),
         "warm_trials": warm,
+        "standby_trials": standby,
         "cold_trials": cold,
     }

@@ -54,6 +54,7 @@ class RendezvousPort(Protocol):
 
 class WorkersPort(Protocol):
     warm: bool
+    standby: int
 
     def interruptible(self, on: bool) -> None: ...
     def start(self, info: RoundInfo) -> dict[int, tuple[int, int]]: ...
@@ -220,7 +221,11 @@ class Agent:
         self._launch_logged = False
         if self._restarting:
             self._emit(
-                ev.RESTART_END, layer="launcher", round=self.info.round, warm=self.workers.warm
+                ev.RESTART_END,
+                layer="launcher",
+                round=self.info.round,
+                warm=self.workers.warm,
+                standby=self.workers.standby,
             )
         logger.info(
             "round %d: started %d workers (%s)",

@@ -7,7 +7,9 @@ dispositions; point stdin at /dev/null and stdout/stderr at files or the inherit
 unbuffered as ``python -u``; take the worker's environment, argv, cwd and ``sys.path[0]`` as a
 fresh interpreter would; reseed what a fresh interpreter seeds from the OS; then run the target
 with ``runpy`` as ``__main__``. Exceptions and ``SystemExit`` propagate to the interpreter's
-top level, so exit codes, tracebacks and atexit handlers behave as in a cold start.
+top level, so exit codes, tracebacks and atexit handlers behave as in a cold start. A standby
+(see ``zygote``) waits for its parent first, then for its request, and does the rest when it
+comes; its worker's start is then the request's time (``UNBROKEN_WORKER_STARTED``).
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ import signal
 import sys
 import time
 from typing import Any
+
+from unbroken.env import UNBROKEN_WORKER_STARTED
 
 PR_SET_PDEATHSIG = 1
 PR_SET_CHILD_SUBREAPER = 36
@@ -64,7 +68,7 @@ def is_child_subreaper() -> bool:
         return False
 
 
-def _await_parent(agent_pid: int, *, gate_fd: int | None = None, timeout_s: float = 10.0) -> None:
+def await_parent(agent_pid: int, *, gate_fd: int | None = None, timeout_s: float = 10.0) -> None:
     """Wait to be the agent's child, then die with it. ``gate_fd`` (from the warm pool) reads
     EOF when the intermediate that forked this worker exits: blocking on it, not polling, keeps
     a node's waiting workers off the CPUs while the pool forks the rest."""
@@ -138,7 +142,7 @@ def _reseed() -> None:
 def become_worker(req: dict[str, Any], *, agent_pid: int) -> None:
     """Everything before the user's code; see the module docstring."""
     os.setsid()
-    _await_parent(agent_pid, gate_fd=req.get("gate_fd"))
+    await_parent(agent_pid, gate_fd=req.get("gate_fd"))
     _reset_signals()
     _redirect(0, os.devnull, os.O_RDONLY)
     append = os.O_WRONLY | os.O_CREAT | os.O_APPEND
@@ -148,6 +152,8 @@ def become_worker(req: dict[str, Any], *, agent_pid: int) -> None:
     os.chdir(req["cwd"])
     os.environ.clear()
     os.environ.update(req["env"])
+    if "activated" in req:  # a standby: the worker starts now, not when the process did
+        os.environ[UNBROKEN_WORKER_STARTED] = f"{os.getpid()}:{req['activated']}"
     _reseed()
 
 

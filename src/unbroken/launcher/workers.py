@@ -124,6 +124,8 @@ class LocalWorkers:
         self._deferred: list[int] = []
         self.tee = Tee()
         self.warm = False
+        self.standby = 0
+        """How many of the workers last started were the warm pool's standbys."""
         bootstrap.load_libc()  # before any fork: preexec_fn must not load libraries
 
     def interruptible(self, on: bool) -> None:
@@ -210,6 +212,7 @@ class LocalWorkers:
             reqs.append(req)
         pids = self._spawn_warm(reqs)
         self.warm = pids is not None
+        self.standby = self.zygote.standby if self.warm and self.zygote is not None else 0
         if pids is None:
             pids = [self._spawn_cold(req) for req in reqs]
         for req, pid in zip(reqs, pids, strict=True):
