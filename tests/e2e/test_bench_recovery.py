@@ -60,14 +60,27 @@ def test_a_faulted_run_is_compared_with_its_fault_free_twin(tmp_path: Path) -> N
         tmp_path,
         *("--configs", "launcher-nofault", "launcher", "--steps", "12", "--kinds", "exception"),
         *("--ckpt-every", "4", "--snapshot-every", "2", "--hang-timeout-s", "5"),
+        *("--repeat", "2"),
     )
-    rows = {r["config"]: r for r in json.loads((tmp_path / "rows.json").read_text())}
-    assert set(rows) == {"clean", "launcher-nofault", "launcher"}
+    doc = json.loads((tmp_path / "rows.json").read_text())
+    rows = {(r["config"], r["run"]): r for r in doc}
+    # clean once (the reference), the others twice, round-robin
+    assert [(r["config"], r["run"]) for r in doc] == [
+        ("clean", 1),
+        ("launcher-nofault", 1),
+        ("launcher", 1),
+        ("launcher-nofault", 2),
+        ("launcher", 2),
+    ]
     assert all(r["matches_clean"] for r in rows.values())
-    twin, faulted = rows["launcher-nofault"], rows["launcher"]
-    assert twin["recovery_s"] == [] and twin["fault_cost"] == 0.0  # the plan was not given it
-    assert len(faulted["recovery_s"]) == 1 and faulted["fault_cost"] > 0.0
-    assert faulted["reference"] == "launcher-nofault" and twin["reference"] is None
-    gap = twin["training_goodput"] - faulted["training_goodput"]
-    assert faulted["goodput_gap"] == pytest.approx(gap)
+    for k, twin_name in ((1, "launcher-nofault"), (2, "launcher-nofault.run2")):
+        twin, faulted = rows[("launcher-nofault", k)], rows[("launcher", k)]
+        assert twin["recovery_s"] == [] and twin["fault_cost"] == 0.0  # not given the plan
+        assert len(faulted["recovery_s"]) == 1 and faulted["fault_cost"] > 0.0
+        assert faulted["reference"] == twin_name and twin["reference"] is None
+        gap = twin["training_goodput"] - faulted["training_goodput"]
+        assert faulted["goodput_gap"] == pytest.approx(gap)
     assert "against launcher-nofault" in res.output
+    assert "launcher.run2 against launcher-nofault.run2" in res.output
+    assert "over 2 runs each" in res.output  # the medians
+    assert (tmp_path / "bench" / "launcher.run2" / "final.json").exists()

@@ -57,20 +57,25 @@ _AGENT = textwrap.dedent(
 )
 
 
-@pytest.mark.parametrize("n", [1, 4])
-def test_a_requests_workers_are_the_agents_children_and_share_no_pipe(
-    tmp_path: Path, n: int
-) -> None:
+def _run_agent(tmp_path: Path, code: str, *args: str) -> dict:
+    """Run ``code`` as the agent (in a child interpreter); the JSON of its last line."""
     agent = tmp_path / "agent.py"
-    agent.write_text(_AGENT)
+    agent.write_text(code)
     proc = subprocess.run(
-        [sys.executable, str(agent), str(tmp_path), str(n)],
+        [sys.executable, str(agent), str(tmp_path), *args],
         capture_output=True,
         text=True,
         timeout=100,
     )
     assert proc.returncode == 0, proc.stderr
-    doc = json.loads(proc.stdout.strip().splitlines()[-1])
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("n", [1, 4])
+def test_a_requests_workers_are_the_agents_children_and_share_no_pipe(
+    tmp_path: Path, n: int
+) -> None:
+    doc = _run_agent(tmp_path, _AGENT, str(n))
     workers = doc["workers"]
     assert sorted(w["pid"] for w in workers) == sorted(doc["pids"])
     assert len(set(doc["pids"])) == n
@@ -161,16 +166,7 @@ _AGENT_STANDBY = textwrap.dedent(
 def test_a_restart_takes_standbys_that_run_as_workers_and_end_with_the_pool(
     tmp_path: Path, kill: str
 ) -> None:
-    agent = tmp_path / "agent.py"
-    agent.write_text(_AGENT_STANDBY)
-    proc = subprocess.run(
-        [sys.executable, str(agent), str(tmp_path), "2", kill],
-        capture_output=True,
-        text=True,
-        timeout=100,
-    )
-    assert proc.returncode == 0, proc.stderr  # and every child reaped: no standby left behind
-    doc = json.loads(proc.stdout.strip().splitlines()[-1])
+    doc = _run_agent(tmp_path, _AGENT_STANDBY, "2", kill)  # exit 0: no standby left behind
     first, second = doc["first"], doc["second"]
     assert first["standby"] == 0  # the first start forks its workers
     live = doc["standbys"][1:] if kill == "kill" else doc["standbys"]

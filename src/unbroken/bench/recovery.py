@@ -44,7 +44,14 @@ from unbroken.bench.orchestrator import (
     run_orchestrated,
     train_command,
 )
-from unbroken.bench.recovery_table import NO_FAULTS, ConfigResult, format_table, pct, set_gaps
+from unbroken.bench.recovery_table import (
+    NO_FAULTS,
+    ConfigResult,
+    format_summary,
+    format_table,
+    pct,
+    set_gaps,
+)
 from unbroken.faults import load_plan, parse_plan
 from unbroken.launcher.config import DEFAULT_PRELOAD
 from unbroken.ledger import goodput, read_events
@@ -305,15 +312,20 @@ def run_bench(a: argparse.Namespace) -> list[ConfigResult]:
         raise ValueError(f"unknown configurations {unknown}; available: {sorted(RUNNERS)}")
     results: list[ConfigResult] = []
     clean_hash = None
-    for name in configs:
+    # Round-robin: every configuration once, then again (clean, the reference, runs once).
+    rounds = [("clean", 1)] + [
+        (c, k) for k in range(1, a.repeat + 1) for c in configs if c != "clean"
+    ]
+    for name, k in rounds:
         label, runner = RUNNERS[name]
-        run_dir = out_dir / name
-        print(f"== {name}: {label}", flush=True)
+        res = ConfigResult(name, label, 0, run=k)
+        run_dir = out_dir / res.name
+        print(f"== {res.name}: {label}", flush=True)
         t = time.monotonic()
         faulted = name != "clean" and not name.endswith(NO_FAULTS)
         code, output = runner(w, run_dir, plan if faulted else None, a)
-        (out_dir / f"{name}.log").write_text(output)
-        res = ConfigResult(name, label, code)
+        (out_dir / f"{res.name}.log").write_text(output)
+        res.returncode = code
         final = run_dir / "final.json"
         if final.exists():
             res.final_state_sha256 = json.loads(final.read_text())["final_state_sha256"]
@@ -325,9 +337,9 @@ def run_bench(a: argparse.Namespace) -> list[ConfigResult]:
         try:
             events = read_events(run_dir)
             report = goodput.compute(events)
-            res.figures, res.view = report.to_dict(), RunView(name, report, events)
+            res.figures, res.view = report.to_dict(), RunView(res.name, report, events)
         except (FileNotFoundError, ValueError) as e:
-            logger.error("%s: no figures: %s", name, e)
+            logger.error("%s: no figures: %s", res.name, e)
         print(
             f"   done in {time.monotonic() - t:.1f}s, exit {code}, "
             f"goodput {pct(res.figures.get('training_goodput'))}",
@@ -336,6 +348,16 @@ def run_bench(a: argparse.Namespace) -> list[ConfigResult]:
         results.append(res)
     set_gaps(results)
     return results
+
+
+def _at_least_one(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be a whole number >= 1, got {text!r}")
+    return n
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -376,6 +398,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=4.0,
         help="baseline pod restart delay (published 270 s, scaled to the workload)",
     )
+    p.add_argument(
+        "--repeat",
+        type=_at_least_one,
+        default=1,
+        metavar="N",
+        help="run every configuration but clean N times, round-robin, and give each figure's "
+        "median and range (goals are judged on the median: runs differ by more than a point)",
+    )
     p.add_argument("--max-restarts", type=int, default=20)
     p.add_argument("--job-timeout-s", type=float, default=900.0)
     p.add_argument("--out", default="runs/bench-recovery", help="output directory")
@@ -399,9 +429,9 @@ def _ingest(a: argparse.Namespace, results: list[ConfigResult]) -> None:
         with KnowledgeBase(a.kb) as kb:
             for r in results:
                 try:
-                    kb.ingest(Path(a.out) / r.config)
+                    kb.ingest(Path(a.out) / r.name)
                 except (FileNotFoundError, ValueError) as e:
-                    logger.warning("knowledge base: %s not ingested: %s", r.config, e)
+                    logger.warning("knowledge base: %s not ingested: %s", r.name, e)
             print(f"\nknowledge base: {len(results)} run(s) ingested into {kb.path}")
     except (OSError, ValueError, RuntimeError) as e:
         logger.warning("knowledge base: not updated: %s", e)
@@ -411,6 +441,9 @@ def main(a: argparse.Namespace) -> int:
     results = run_bench(a)
     print()
     print(format_table(results))
+    summary = format_summary(results)
+    if summary:
+        print(f"\nover {a.repeat} runs each:\n{summary}")
     rows = [r.row() for r in results]
     if a.json:
         Path(a.json).write_text(json.dumps(rows, indent=2) + "\n")
@@ -420,7 +453,7 @@ def main(a: argparse.Namespace) -> int:
     if views:
         html_path.write_text(render(views, title="unbroken recovery benchmark"))
         print(f"\nHTML report: {html_path.resolve()}")
-    bad = [r.config for r in results if r.returncode != 0 or not r.matches_clean]
+    bad = [r.name for r in results if r.returncode != 0 or not r.matches_clean]
     if bad:
         print(f"\nFAILED: {bad} did not finish with the clean run's state", file=sys.stderr)
         return 1

@@ -5,6 +5,11 @@ fault-free reference: its twin ``<config>-nofault`` (the same configuration with
 plan, when that ran) or else ``clean``. The twin isolates what the faults cost; against
 ``clean`` the gap also holds what being ready for them costs (the memory snapshots) and the
 runs' other differences (clean's ranks are one-rank pods, like the baseline's).
+
+With ``--repeat N`` every configuration but clean runs N times, round-robin (each run's gap is
+taken against its twin of the same round), and ``format_summary`` gives each figure's median
+and range over the rounds: two runs of one configuration differ here by more than a goal's
+margin (the twins' step times by up to 10%), so a goal is judged on the median.
 """
 
 from __future__ import annotations
@@ -35,11 +40,20 @@ class ConfigResult:
     """The fault-free run its gap is taken against (``set_gaps``)."""
     gap: float | None = None
     """Its training goodput below the reference's, a share (``set_gaps``)."""
+    run: int = 1
+    """Which round of ``--repeat`` this is (1 for the first)."""
+
+    @property
+    def name(self) -> str:
+        """The run's name: its directory, log and knowledge-base name (``<config>.run<k>``
+        from the second round on)."""
+        return self.config if self.run == 1 else f"{self.config}.run{self.run}"
 
     def row(self) -> dict[str, Any]:
         f = self.figures
         return {
             "config": self.config,
+            "run": self.run,
             "label": self.label,
             "returncode": self.returncode,
             "training_goodput": f.get("training_goodput"),
@@ -63,15 +77,15 @@ class ConfigResult:
 
 def set_gaps(results: list[ConfigResult]) -> None:
     """Give every run with faults its reference and gap (see the module docstring)."""
-    by_name = {r.config: r for r in results}
+    by_name = {(r.config, r.run): r for r in results}
     for r in results:
         if r.config == "clean" or r.config.endswith(NO_FAULTS):
             continue
-        ref = by_name.get(r.config + NO_FAULTS) or by_name.get("clean")
+        ref = by_name.get((r.config + NO_FAULTS, r.run)) or by_name.get(("clean", 1))
         mine = r.figures.get("training_goodput")
         theirs = None if ref is None else ref.figures.get("training_goodput")
         if ref is not None and mine is not None and theirs is not None:
-            r.reference, r.gap = ref.config, float(theirs) - float(mine)
+            r.reference, r.gap = ref.name, float(theirs) - float(mine)
 
 
 def _fraction(figures: dict[str, Any], seconds: float | None) -> float | None:
@@ -100,7 +114,7 @@ def _num(xs: list[Any]) -> str:
 
 
 def format_table(results: list[ConfigResult]) -> str:
-    w = max([12, *(len(r.config) for r in results)])
+    w = max([12, *(len(r.name) for r in results)])
     head = (
         f"{'config':<{w}} {'train goodput':>13} {'gap':>6} {'infra goodput':>13} {'avail':>6} "
         f"{'recovery s p50/max':>19} "
@@ -113,7 +127,7 @@ def format_table(results: list[ConfigResult]) -> str:
         lost = [x for x in row["steps_lost"] if x is not None]
         det = [x for x in row["detection_s"] if x is not None]
         lines.append(
-            f"{r.config:<{w}} {pct(row['training_goodput']):>13} {_points(r.gap):>6} "
+            f"{r.name:<{w}} {pct(row['training_goodput']):>13} {_points(r.gap):>6} "
             f"{pct(row['infra_goodput']):>13} "
             f"{pct(row['availability']):>6} {_num(row['recovery_s']):>19} {(str(sum(lost)) if lost else '–'):>12} "
             f"{(f'{statistics.median(det):.3f}' if det else '–'):>12} "
@@ -122,9 +136,65 @@ def format_table(results: list[ConfigResult]) -> str:
             f"{pct(row['ettr']):>7} "
             f"{(row['wall_s'] or 0):>8.1f} {('yes' if r.matches_clean else 'NO'):>8}"
         )
-    refs = sorted({f"{r.config} against {r.reference}" for r in results if r.reference})
+    refs = sorted({f"{r.name} against {r.reference}" for r in results if r.reference})
     if refs:
         lines.append(
             f"gap: points of training goodput below the fault-free run ({'; '.join(refs)})"
         )
+    return "\n".join(lines)
+
+
+SUMMARY = (
+    ("training goodput", "training_goodput", pct),
+    ("gap", "goodput_gap", _points),
+    ("fault cost", "fault_cost", _points),
+    ("infra goodput", "infra_goodput", lambda x: "–" if x is None else f"{100 * x:.2f}%"),
+)
+"""The figures ``format_summary`` gives a median and range of: (heading, row key, format)."""
+
+
+def summarize(results: list[ConfigResult]) -> list[dict[str, Any]]:
+    """Per configuration that ran more than once: each SUMMARY figure's median, low and high
+    over its runs, how many runs, and whether every one matched clean."""
+    out = []
+    for config in dict.fromkeys(r.config for r in results):
+        runs = [r for r in results if r.config == config]
+        if len(runs) < 2:
+            continue
+        doc: dict[str, Any] = {
+            "config": config,
+            "runs": len(runs),
+            "all_match_clean": all(bool(r.matches_clean) for r in runs),
+        }
+        for _, key, _fmt in SUMMARY:
+            vals = [float(v) for r in runs if (v := r.row()[key]) is not None]
+            doc[key] = (
+                {"median": statistics.median(vals), "low": min(vals), "high": max(vals)}
+                if vals
+                else None
+            )
+        out.append(doc)
+    return out
+
+
+def format_summary(results: list[ConfigResult]) -> str:
+    """The medians and ranges of ``summarize`` as a table ('' when nothing ran twice)."""
+    docs = summarize(results)
+    if not docs:
+        return ""
+    w = max([12, *(len(d["config"]) for d in docs)])
+    head = (
+        f"{'config':<{w}} {'runs':>4} "
+        + " ".join(f"{h + ' median (range)':>30}" for h, _, _ in SUMMARY)
+        + f" {'= clean':>8}"
+    )
+    lines = [head, "-" * len(head)]
+    for d in docs:
+        cells = []
+        for _, key, fmt in SUMMARY:
+            v = d[key]
+            text = "–" if v is None else f"{fmt(v['median'])} ({fmt(v['low'])}-{fmt(v['high'])})"
+            cells.append(f"{text:>30}")
+        ok = "all" if d["all_match_clean"] else "NO"
+        lines.append(f"{d['config']:<{w}} {d['runs']:>4} " + " ".join(cells) + f" {ok:>8}")
     return "\n".join(lines)

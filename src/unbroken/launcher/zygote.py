@@ -111,7 +111,15 @@ def _fork_worker(
     # The gate: its write end lives only in the intermediate, so the worker reads its EOF when
     # the intermediate exits (then it is about to be re-parented: bootstrap._await_parent).
     gate_r, gate_w = os.pipe()
-    mid = os.fork()
+    try:
+        mid = os.fork()
+    except OSError:
+        mine = [r, w, gate_r, gate_w]
+        if standby_w is not None:
+            mine += [req["standby_fd"], standby_w]
+        for fd in mine:
+            os.close(fd)
+        raise
     if mid == 0:  # the intermediate: fork the worker, report its pid, vanish
         os.close(r)
         for fd in inherited:
@@ -189,7 +197,11 @@ def serve(sock: socket.socket) -> dict[str, Any] | None:
             if _threads() > 1:
                 want = 0  # never fork from a threaded pool; requests get the error below
                 continue
-            out = _fork_worker(None, sock, [w for _, w in standbys])
+            try:
+                out = _fork_worker(None, sock, [w for _, w in standbys])
+            except OSError:  # out of processes or memory: no standbys until the next request
+                want = 0
+                continue
             if isinstance(out, dict):
                 return out
             pid = _read_pid(out.pid_r)
