@@ -152,7 +152,23 @@ UNBROKEN_MEMORY_KEEPER = "UNBROKEN_MEMORY_KEEPER"
 staging arena so that its snapshots outlive the worker (``unbroken.launcher.keeper``)."""
 UNBROKEN_WORKER_STARTED = "UNBROKEN_WORKER_STARTED"
 """``<pid>:<epoch seconds>``: when a standby of the warm pool became this worker (its process
-is older); ``unbroken.ledger.process_start_time`` reports that for the process with this pid."""
+is older); see ``standby_start``."""
+
+
+def standby_start(environ: Mapping[str, str] | None = None) -> float | None:
+    """When this process became a worker, if it waited as a warm-pool standby (else None: it
+    started when it was created). Only for the pid that UNBROKEN_WORKER_STARTED names, so the
+    processes a worker starts do not inherit its start."""
+    environ = os.environ if environ is None else environ
+    pid, _, started = environ.get(UNBROKEN_WORKER_STARTED, "").partition(":")
+    if pid != str(os.getpid()):
+        return None
+    try:
+        return float(started)
+    except ValueError:
+        return None
+
+
 UNBROKEN_PEERS = "UNBROKEN_PEERS"
 """Comma-separated ``host:port#token`` of every node's peer memory service in the round, in
 group-rank order (``unbroken.checkpoint.peers``); a worker replicates its snapshots to the next

@@ -50,7 +50,7 @@ from typing import Any, NoReturn, TypeVar
 from unbroken import restart
 from unbroken.checkpoint import forkserver, node
 from unbroken.checkpoint.checkpointer import Checkpointer, open_checkpointers
-from unbroken.env import WorkerEnv
+from unbroken.env import WorkerEnv, standby_start
 from unbroken.errors import EXIT_CONFIG, ConfigError
 from unbroken.faults import FaultInjector, load_plan
 from unbroken.launcher.client import heartbeat
@@ -168,7 +168,7 @@ def main(fn: Callable[[RestartContext], Any], *, config: RestartConfig | None = 
 def _open_ledger(env: WorkerEnv, run_dir: Path) -> Ledger:
     """The process's ledger, with its start-up (process start -> now) and, after a launcher
     restart, the restart's end."""
-    started = process_start_time()
+    started = standby_start() or process_start_time()
     run_dir.mkdir(parents=True, exist_ok=True)
     run_id = env.run_id if env.run_id and env.run_id != "none" else run_dir.name
     ledger = Ledger(run_dir, run=run_id, rank=env.rank, attempt=env.restart_count)

@@ -99,10 +99,11 @@ _AGENT_STANDBY = textwrap.dedent(
     script = tmp / "worker.py"
     script.write_text(
         "import json, os, sys\\n"
+        "from unbroken.env import standby_start\\n"
         "from unbroken.ledger import process_start_time\\n"
         "fds = sorted(int(f) for f in os.listdir('/proc/self/fd'))\\n"
         "out = {'pid': os.getpid(), 'ppid': os.getppid(), 'fds': fds,\\n"
-        "       'started': process_start_time()}\\n"
+        "       'started': standby_start() or process_start_time()}\\n"
         "open(sys.argv[1], 'w').write(json.dumps(out))\\n"
     )
 

@@ -32,7 +32,6 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from unbroken import env as uenv
 from unbroken.ledger import events as ev
 from unbroken.mask import masked
 
@@ -42,17 +41,12 @@ _STOP = object()
 
 
 def process_start_time() -> float:
-    """Epoch seconds at which this process was created (Linux /proc), else now; for a worker
-    that waited as a standby of the warm pool, when it became the worker (``env``'s
-    UNBROKEN_WORKER_STARTED).
+    """Epoch seconds at which this process was created (Linux /proc), else now. (A worker that
+    waited as a warm-pool standby started later: ``unbroken.env.standby_start``.)
 
     ``/proc/stat``'s boot time is whole seconds, so it is not used: the age of the process is
     ``uptime - starttime`` (both in 10 ms resolution), subtracted from now.
     """
-    pid, _, started = os.environ.get(uenv.UNBROKEN_WORKER_STARTED, "").partition(":")
-    if pid == str(os.getpid()):
-        with contextlib.suppress(ValueError):
-            return float(started)
     try:
         stat = Path("/proc/self/stat").read_text()
         # Field 22 (starttime, clock ticks since boot); fields after the ')' of comm.

@@ -49,7 +49,7 @@ from torch.distributed.elastic.multiprocessing.errors import get_error_handler, 
 from unbroken import heartbeat, restart
 from unbroken.checkpoint import Checkpointer, PerRank, WriterHooks, forkserver
 from unbroken.checkpoint.interval import AdaptiveInterval
-from unbroken.env import WorkerEnv
+from unbroken.env import WorkerEnv, standby_start
 from unbroken.errors import EXIT_CONFIG, ConfigError
 from unbroken.faults import FaultInjector, FaultPlan, load_plan
 from unbroken.ledger import Ledger, install_sigterm_flush, process_start_time
@@ -339,7 +339,7 @@ def train_once(
 
 @record
 def main(argv: Sequence[str] | None = None) -> int:
-    started = process_start_time()
+    started = standby_start() or process_start_time()
     env = WorkerEnv.from_environ()
     try:
         args = build_parser().parse_args(argv)
