@@ -108,15 +108,7 @@ _AGENT_STANDBY = textwrap.dedent(
     )
 
     def children():
-        kids = set()
-        for name in os.listdir("/proc"):
-            try:
-                stat = Path(f"/proc/{name}/stat").read_text()
-            except (OSError, ValueError):
-                continue
-            if name.isdigit() and int(stat.rsplit(")", 1)[1].split()[1]) == me:
-                kids.add(int(name))
-        return kids
+        return {int(x) for x in Path(f"/proc/{me}/task/{me}/children").read_text().split()}
 
     def start(pool, r):
         outs = [tmp / f"worker-{r}-{i}.json" for i in range(n)]

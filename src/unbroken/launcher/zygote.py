@@ -15,10 +15,10 @@ stays single-threaded and holds no state about workers. The zygote dies with the
 
 Standbys: once a node's workers run and the pool has been idle for ``STANDBY_DELAY_S``, it
 forks as many *standby* workers as the last request had: double-forked like the others (so the
-agent's children), they wait on a pipe for their request. A restart hands each worker's request
+agent's children), they wait on a socket for their request. A restart hands each worker's request
 to a standby, which runs at once: the forks and the intermediates' exits (~50 ms for 2 workers,
-~0.4 s for 8 here) leave the restart's path. A standby whose pipe is broken (it died) is skipped
-and its worker forked as before; standbys exit when the pool does (EOF on their pipe) or with
+~0.4 s for 8 here) leave the restart's path. A standby whose socket is closed (it died) is skipped
+and its worker forked as before; standbys exit when the pool does (EOF on their socket) or with
 the agent (PR_SET_PDEATHSIG), and the agent reaps them as the orphans they are.
 
 ``Zygote`` is the agent's handle on it.
@@ -91,25 +91,25 @@ class _Forked(NamedTuple):
     pid_r: int
     """The pipe the worker's pid comes on."""
     standby_w: int | None
-    """A standby's request pipe (its only writer); None for a worker with its request."""
+    """A standby's request socket (the zygote's end); None for a worker with its request."""
 
 
 def _fork_worker(
     req: dict[str, Any] | None, sock: socket.socket, inherited: Sequence[int]
 ) -> _Forked | dict[str, Any]:
     """In the zygote: what it keeps of the fork. In the worker: its request (return to
-    __main__); a standby (``req`` None) gets the pipe its request comes on (``standby_fd``)
+    __main__); a standby (``req`` None) gets the socket its request comes on (``standby_fd``)
     instead. ``inherited``: the zygote's pipes of the workers forked before this one and of
-    the standbys, which no child keeps (a standby's pipe held by another process would not
+    the standbys, which no child keeps (a standby's socket held by another process would not
     read EOF when the zygote exits)."""
     standby_w = None
-    if req is None:
-        standby_r, standby_w = os.pipe()
+    if req is None:  # a socket pair, so the request goes with ``_send`` / ``_recv``
+        standby_r, standby_w = (end.detach() for end in socket.socketpair())
         req = {"standby_fd": standby_r}
         inherited = [*inherited, standby_w]
     r, w = os.pipe()
     # The gate: its write end lives only in the intermediate, so the worker reads its EOF when
-    # the intermediate exits (then it is about to be re-parented: bootstrap._await_parent).
+    # the intermediate exits (then it is about to be re-parented: bootstrap.await_parent).
     gate_r, gate_w = os.pipe()
     try:
         mid = os.fork()
@@ -150,31 +150,19 @@ def _read_pid(r: int) -> int:
 
 
 def _hand_over(standby_w: int, req: dict[str, Any]) -> bool:
-    """Give a standby its request; False when it is gone (its end of the pipe is closed)."""
-    data = json.dumps(req).encode()
-    try:
-        view = memoryview(_HEADER.pack(len(data)) + data)
-        while view:
-            view = view[os.write(standby_w, view) :]
-        return True
-    except BrokenPipeError:
-        return False
-    finally:
-        os.close(standby_w)
+    """Give a standby its request; False when it is gone (its end of the socket is closed)."""
+    with socket.socket(fileno=standby_w) as end:
+        try:
+            _send(end, req)
+        except OSError:  # BrokenPipeError, ConnectionResetError
+            return False
+    return True
 
 
 def await_request(fd: int) -> dict[str, Any] | None:
     """In a standby: block until the zygote hands over a request; None when it has exited."""
-    buf = b""
-    try:
-        while len(buf) < _HEADER.size or len(buf) < _HEADER.size + _HEADER.unpack(buf[:4])[0]:
-            chunk = os.read(fd, 1 << 16)
-            if not chunk:
-                return None
-            buf += chunk
-    finally:
-        os.close(fd)
-    return json.loads(buf[_HEADER.size :])
+    with socket.socket(fileno=fd) as end:
+        return _recv(end)
 
 
 def serve(sock: socket.socket) -> dict[str, Any] | None:
@@ -186,7 +174,7 @@ def serve(sock: socket.socket) -> dict[str, Any] | None:
     before forking the next would add a whole exit (the teardown of a process the zygote's size)
     per worker: 8 workers took 0.65 s to start on a 2-core machine. Standbys (see above) are
     forked while the pool is idle and used first."""
-    standbys: list[tuple[int, int]] = []  # (pid, request pipe)
+    standbys: list[tuple[int, int]] = []  # (pid, request socket)
     want = 0
     answered = 0.0
     while True:
