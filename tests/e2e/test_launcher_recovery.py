@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
 
 from procs import run, train_cmd, unbroken_run_cmd, worker_env
-from unbroken.launcher import errors
+from unbroken.launcher import errors, monitor
 from unbroken.ledger import goodput, read_events
 
 pytestmark = pytest.mark.e2e
@@ -224,3 +225,48 @@ def test_a_hang_in_native_code_is_the_launchers_to_recover(reference: str, tmp_p
     (fault,) = goodput.compute(events).faults
     assert fault.kind == "hang-native" and fault.layer == "launcher", fault
     assert fault.recovery_s is not None
+
+
+def _faults_detected(run_dir: Path) -> list[dict]:
+    return [
+        r
+        for p in (run_dir / "events").glob("*.jsonl")
+        for r in map(json.loads, p.read_text().splitlines())
+        if r["kind"] == "fault_detected"
+    ]
+
+
+@pytest.mark.parametrize("mode", ["slow", "hung"])
+def test_a_silent_node_is_hung_only_when_nothing_computes(mode: str, tmp_path: Path) -> None:
+    """0.5 s steady timeout, 1 s of silence: a rank that computes through it (the others wait
+    on it) is a slow step, not a hang; ranks that all wait are hung, caught long before their
+    30 s sleep ends."""
+    seconds = "1.0" if mode == "slow" else "30"
+    cmd = unbroken_run_cmd(
+        tmp_path,
+        nproc=2,
+        steps=None,
+        target=[str(WORKERS / "silent.py"), mode, seconds],
+        launcher_args=[
+            "--max-restarts",
+            "0",
+            "--ft-steady-timeout-s",
+            "0.5",
+            "--ft-heartbeat-interval-s",
+            "0.05",
+        ],
+    )
+    res = run(cmd, timeout_s=25)
+    detected = _faults_detected(tmp_path)
+    if mode == "slow":
+        assert res.returncode == 0, res.output[-3000:]
+        assert detected == [] and "slow, not hung" in res.output
+    else:
+        assert res.returncode == 3, res.output[-3000:]
+        assert {r["cause"] for r in detected} == {"hang"}, detected
+        cores = [
+            float(m)
+            for r in detected
+            for m in re.findall(r"waited to run ([0-9.]+) of the time", r["message"])
+        ]
+        assert cores and max(cores) < monitor.BUSY_CORES, detected

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -11,7 +14,12 @@ from unbroken import env as uenv
 from unbroken.launcher import client
 from unbroken.launcher import config as lconfig
 from unbroken.launcher.calibrate import INITIAL_FLOOR_S, STEADY_FLOOR_S, WARMUP
-from unbroken.launcher.monitor import HeartbeatServer, HeartbeatTracker, Observed
+from unbroken.launcher.monitor import (
+    HeartbeatServer,
+    HeartbeatTracker,
+    Observed,
+    proc_runnable_s,
+)
 
 
 def tracker(**kw: object) -> HeartbeatTracker:
@@ -222,3 +230,90 @@ def test_client_is_a_cheap_no_op_outside_the_launcher(monkeypatch: pytest.Monkey
     client.heartbeat(1)
     assert client._get() is None
     client.reset()
+
+
+class FakeRunnable:
+    """Seconds run or runnable per pid, set by the test (``proc_runnable_s``'s shape)."""
+
+    def __init__(self) -> None:
+        self.used: dict[int, float] = {}
+
+    def __call__(self, pid: int) -> float | None:
+        return self.used.get(pid)
+
+
+def test_a_silent_worker_that_computes_is_slow_not_hung_until_the_busy_limit() -> None:
+    cpu = FakeRunnable()
+    t = tracker(runnable_s=cpu)
+    t.begin_round(0, {0: (0, 100), 1: (1, 101)}, now=0.0)
+    t.record(hb(0, step=1), now=1.0)
+    t.record(hb(1, step=1), now=1.0)
+    # the agent wakes at half the timeout to start measuring (the step's own tail is before)
+    assert t.next_deadline() == pytest.approx(2.0)
+    cpu.used = {100: 10.0, 101: 10.0}
+    assert t.overdue(2.0) == []
+    assert t.next_deadline() == pytest.approx(3.0)
+    # rank 0 computes (a slow step on a busy machine); rank 1 waits in a collective on it
+    cpu.used = {100: 10.6, 101: 10.01}
+    assert t.overdue(3.0) == []  # 2 s silent, but rank 0 used 0.6 of a core
+    assert t.next_deadline() == pytest.approx(5.0)  # one more timeout for both
+    cpu.used = {100: 11.4, 101: 10.02}
+    assert t.overdue(5.0) == []  # still computing: 0.4 of a core
+    t.record(hb(0, step=2), now=5.5)  # the slow step ends: rank 0 is no suspect any more
+    t.record(hb(1, step=2), now=5.5)
+    assert t.next_deadline() == pytest.approx(6.5)  # back to the steady timeout
+    assert t.overdue(6.5) == []
+    # spinning without progress is a hang too: at most BUSY_LIMIT timeouts of silence
+    for now in (7.5, 9.5, 11.5):
+        cpu.used = {100: cpu.used[100] + 2.0, 101: 10.05}
+        assert t.overdue(now) == []
+    cpu.used = {100: cpu.used[100] + 2.0, 101: 10.05}
+    hangs = t.overdue(13.5)
+    assert [(h.rank, h.silent_s) for h in hangs] == [(0, 8.0), (1, 8.0)]
+    assert hangs[0].runnable == pytest.approx(1.0)
+
+
+def test_a_silent_node_that_waits_is_hung_at_the_timeout() -> None:
+    cpu = FakeRunnable()
+    cpu.used = {100: 5.0, 101: 5.0}
+    t = tracker(runnable_s=cpu)
+    t.begin_round(0, {0: (0, 100), 1: (1, 101)}, now=0.0)
+    t.record(hb(0, step=1), now=1.0)
+    t.record(hb(1, step=1), now=1.2)
+    assert t.overdue(2.0) == []  # rank 0 a suspect: measured from here
+    cpu.used = {100: 5.0, 101: 5.5}  # rank 1 ends its step's tail before it is a suspect
+    assert t.overdue(2.2) == []
+    cpu.used = {100: 5.01, 101: 5.505}  # a sleeping loop, and a peer blocked on it
+    hangs = t.overdue(3.0)
+    assert [h.rank for h in hangs] == [0, 1]
+    assert [h.runnable for h in hangs] == [pytest.approx(0.01), pytest.approx(0.00625)]
+    # a process /proc cannot read (gone) is not busy; nor is one without a clock
+    t2 = tracker()
+    t2.begin_round(0, {0: (0, 100)}, now=0.0)
+    t2.record(hb(0, step=1), now=1.0)
+    (h,) = t2.overdue(3.0)
+    assert h.runnable is None
+
+
+def test_proc_runnable_s_counts_time_running_and_waiting_for_a_cpu(tmp_path: Path) -> None:
+    """A process computing is runnable all the time, even when it waits for a CPU most of it;
+    a sleeping one is not. Real processes: a spin loop among more spin loops than CPUs, and a
+    sleep."""
+    code = "import sys, time\nif sys.argv[1] == 'spin':\n    while True: pass\ntime.sleep(60)"
+    cores = os.cpu_count() or 1
+    spin = [subprocess.Popen([sys.executable, "-c", code, "spin"]) for _ in range(2 * cores + 1)]
+    sleep = subprocess.Popen([sys.executable, "-c", code, "sleep"])
+    try:
+        time.sleep(0.3)  # started
+        before = {p.pid: proc_runnable_s(p.pid) for p in (spin[0], sleep)}
+        time.sleep(1.0)
+        after = {p.pid: proc_runnable_s(p.pid) for p in (spin[0], sleep)}
+    finally:
+        for p in (*spin, sleep):
+            p.kill()
+            p.wait()
+    spun = after[spin[0].pid] - before[spin[0].pid]
+    slept = after[sleep.pid] - before[sleep.pid]
+    assert spun >= 0.8, spun  # it ran on at most about half of that second
+    assert slept < 0.05, slept
+    assert proc_runnable_s(spin[0].pid) is None  # gone

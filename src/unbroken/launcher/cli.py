@@ -23,7 +23,13 @@ from unbroken.launcher import bootstrap, errors, listen
 from unbroken.launcher import config as lconfig
 from unbroken.launcher.agent import Agent
 from unbroken.launcher.errors import Failure
-from unbroken.launcher.monitor import STATE_FILE, HeartbeatServer, HeartbeatTracker, Observed
+from unbroken.launcher.monitor import (
+    STATE_FILE,
+    HeartbeatServer,
+    HeartbeatTracker,
+    Observed,
+    proc_runnable_s,
+)
 from unbroken.launcher.signals import SignalPipe
 from unbroken.launcher.workers import LocalWorkers
 from unbroken.launcher.zygote import Zygote
@@ -236,6 +242,7 @@ def _run(spec: largs.JobSpec, cfg: largs.lconfig.LauncherConfig, run_dir: Path, 
             on_change=lambda name, value, previous: ledger.emit(
                 ev.TUNED, name=name, value=round(value, 4), previous=previous, layer="launcher"
             ),
+            runnable_s=proc_runnable_s,
         )
         workers = LocalWorkers(
             spec,

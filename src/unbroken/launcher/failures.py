@@ -63,7 +63,12 @@ def from_hangs(
                 pid=h.pid,
                 message=f"no heartbeat for {h.silent_s:.2f} s (the {h.phase} timeout is "
                 f"{h.timeout_s:.2f} s); last step reported: {h.last_step}"
-                + ("; the process is stopped (SIGSTOP/SIGTSTP)" if stopped else ""),
+                + ("; the process is stopped (SIGSTOP/SIGTSTP)" if stopped else "")
+                + (
+                    f"; it ran or waited to run {h.runnable:.2f} of the time lately"
+                    if h.runnable is not None
+                    else ""
+                ),
             )
         )
     return out

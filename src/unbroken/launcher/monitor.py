@@ -14,7 +14,16 @@ tests drive it with scripted heartbeats and times:
   needs (``calibrate``; never above the configured value); the observations persist in
   ``<run_dir>/launcher/heartbeats.json`` across restarts;
 - a worker "finishing" (past its last step, or restarting in-process) gets the configured
-  initial timeout until its next heartbeat without that flag.
+  initial timeout until its next heartbeat without that flag;
+- a silent worker that is computing is slow, not hung: when a deadline passes and some
+  suspect of the node (a worker late, or within half a timeout of it) used at least
+  ``BUSY_CORES`` of a core since it became one (``runnable_s``: the time its threads ran or waited
+  to run, /proc's schedstat),
+  every suspect gets one more timeout, up to ``BUSY_LIMIT`` timeouts of silence (a loop that
+  spins is a hang too). A hung rank sleeps or waits (a collective whose peer never comes, a
+  lock), and so does every rank waiting on it; a busy machine's slow step computes. The CPU is
+  measured from the half-timeout mark, not the heartbeat: the end of the step that sent it
+  (a snapshot's copy, the next batch) is work, not progress.
 
 Datagrams from an earlier round or another pid are ignored, and so are datagrams not signed
 with the job's secret (HMAC-SHA256; see ``parse_datagram``) or not shaped like a heartbeat.
@@ -26,9 +35,10 @@ import hashlib
 import hmac
 import json
 import logging
+import os
 import secrets
 import socket
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -39,6 +49,34 @@ from unbroken.ledger.durable import write_atomic
 logger = logging.getLogger(__name__)
 
 STATE_FILE = "heartbeats.json"
+
+BUSY_CORES = 0.3
+"""Time a silent worker's threads ran or waited for a CPU (run queue), per second, above which it
+is computing. A hung worker sleeps or waits: 0.00-0.04 here (its heartbeat and monitor
+threads); a computing one is runnable all the time, ~1.0 however busy the machine (with four
+CPU hogs on 2 cores it ran 0.4 and waited 0.6), where its CPU time alone fell to 0.24."""
+BUSY_LIMIT = 4.0
+"""Timeouts of silence a computing worker is given at most."""
+
+RunClock = Callable[[int], "float | None"]
+"""Seconds a process's threads have run or waited to run, None when it cannot be read."""
+
+
+def proc_runnable_s(pid: int) -> float | None:
+    """Seconds the live threads of process ``pid`` have spent on a CPU or in its run queue
+    (/proc/<pid>/task/*/schedstat); None when the process is gone or /proc cannot say."""
+    total = 0
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return None
+    for tid in tids:
+        try:
+            run, wait = Path(f"/proc/{pid}/task/{tid}/schedstat").read_text().split()[:2]
+            total += int(run) + int(wait)
+        except (OSError, ValueError):
+            continue  # a thread that just ended
+    return total / 1e9 if tids else None
 
 
 _INT_FIELDS = ("lr", "rank", "pid", "round")
@@ -139,6 +177,9 @@ class Hang:
     """Seconds since its last heartbeat (or its start, before the first)."""
     timeout_s: float
     """The timeout it exceeded."""
+    runnable: float | None = None
+    """Its threads' time running or runnable per second over the last stretch of that silence
+    (cores), when measured."""
     phase: str
     """"initial" (no heartbeat yet this round), "steady", or "finishing" (past the last step:
     the initial timeout applies)."""
@@ -154,6 +195,12 @@ class _Worker:
     last: float | None = None
     last_step: int | None = None
     finishing: bool = False
+    suspect: bool = False
+    """Within half a timeout of its deadline since its last heartbeat."""
+    mark: tuple[float, float] | None = None
+    """(time, runnable seconds) when it became a suspect or its deadline was last extended."""
+    extended_to: float | None = None
+    """A deadline moved on because the node was computing."""
 
 
 @dataclass
@@ -212,8 +259,10 @@ class HeartbeatTracker:
         auto_timeout_factor: float = 16.0,
         observed: Observed | None = None,
         on_change: calibrate.OnChange | None = None,
+        runnable_s: RunClock | None = None,
     ) -> None:
-        """``on_change(name, value, previous)`` is told each move of an automatic timeout."""
+        """``on_change(name, value, previous)`` is told each move of an automatic timeout;
+        ``runnable_s(pid)`` (``proc_runnable_s``; None: off) tells a slow worker from a hung one."""
         self.enabled = enabled
         self.initial_timeout_s = initial_timeout_s
         self.steady_timeout_s = steady_timeout_s
@@ -221,6 +270,7 @@ class HeartbeatTracker:
         self.auto_timeouts = auto_timeouts
         self.auto_timeout_factor = auto_timeout_factor
         self.observed = observed or Observed()
+        self.runnable_s = runnable_s
         self.round = -1
         self.workers: dict[int, _Worker] = {}
         self.best_step: int | None = None
@@ -295,6 +345,7 @@ class HeartbeatTracker:
             self._calibrate()
         w.last = now
         w.finishing = fin
+        w.suspect, w.mark, w.extended_to = False, None, None
         step, committed = msg.get("step"), msg.get("committed")
         if isinstance(step, int):
             w.last_step = step
@@ -320,27 +371,42 @@ class HeartbeatTracker:
     # --- deadlines ---------------------------------------------------------------------------
     def _deadline(self, w: _Worker) -> tuple[float, float, str] | None:
         if w.last is not None and w.finishing:
-            t = self.initial_timeout_s
-            return w.last + t, t, "finishing"
-        if w.last is not None:
-            t = self.effective_steady_s()
-            return w.last + t, t, "steady"
-        if self.observed.job_heartbeats:
-            t = self.effective_initial_s()
-            return w.start + t, t, "initial"
-        return None
+            t, phase = self.initial_timeout_s, "finishing"
+        elif w.last is not None:
+            t, phase = self.effective_steady_s(), "steady"
+        elif self.observed.job_heartbeats:
+            t, phase = self.effective_initial_s(), "initial"
+        else:
+            return None
+        since = w.last if w.last is not None else w.start
+        return max(since + t, w.extended_to or 0.0), t, phase
+
+    def _mark(self, w: _Worker, now: float) -> tuple[float, float] | None:
+        got = None if self.runnable_s is None or w.pid is None else self.runnable_s(w.pid)
+        return None if got is None else (now, got)
+
+    def _cores(self, w: _Worker, now: float) -> float | None:
+        """Cores ``w`` ran on or waited for since its mark (None: not measured, or too short)."""
+        new = self._mark(w, now)
+        if w.mark is None or new is None or new[0] - w.mark[0] < self.heartbeat_interval_s:
+            return None
+        return max(0.0, new[1] - w.mark[1]) / (new[0] - w.mark[0])  # < 0: a thread ended
 
     def next_deadline(self) -> float | None:
         """The earliest monotonic time at which some worker becomes overdue, if any."""
         if not self.enabled:
             return None
-        times = [d[0] for w in self.workers.values() if (d := self._deadline(w)) is not None]
+        times = [
+            d[0] if w.suspect or self.runnable_s is None else d[0] - d[1] / 2
+            for w in self.workers.values()
+            if (d := self._deadline(w)) is not None
+        ]  # a worker's CPU is measured from the moment it becomes a suspect
         return min(times, default=None)
 
     def overdue(self, now: float) -> list[Hang]:
         """Workers past their deadline, plus those within half a timeout of it (co-suspects:
         in a collective hang every rank falls silent at once); the longest-silent first. Empty
-        while no worker is past its deadline."""
+        while no worker is past its deadline, or while a suspect computes (``_computing``)."""
         if not self.enabled:
             return []
         out, late = [], False
@@ -348,6 +414,8 @@ class HeartbeatTracker:
             d = self._deadline(w)
             if d is None or now < d[0] - d[1] / 2:
                 continue
+            if not w.suspect:
+                w.suspect, w.mark = True, self._mark(w, now)
             late = late or now >= d[0]
             since = w.last if w.last is not None else w.start
             out.append(
@@ -359,9 +427,32 @@ class HeartbeatTracker:
                     timeout_s=d[1],
                     phase=d[2],
                     last_step=w.last_step,
+                    runnable=self._cores(w, now),
                 )
             )
-        if not late:
+        if not late or self._computing(out, now):
             return []
         out.sort(key=lambda h: (-h.silent_s, h.rank))
         return out
+
+    def _computing(self, suspects: list[Hang], now: float) -> bool:
+        """True (and every suspect's deadline moved on by one timeout) when one of them is
+        computing and none has been silent for ``BUSY_LIMIT`` timeouts yet."""
+        busy = [h for h in suspects if h.runnable is not None and h.runnable >= BUSY_CORES]
+        if not busy or any(h.silent_s >= BUSY_LIMIT * h.timeout_s for h in suspects):
+            return False
+        for h in suspects:
+            w = self.workers[h.local_rank]
+            limit = now - h.silent_s + BUSY_LIMIT * h.timeout_s
+            w.extended_to = min(now + h.timeout_s, limit)
+            w.mark = self._mark(w, now)
+        logger.info(
+            "no heartbeat from rank(s) %s for %.2f s, but rank %d is computing (it ran or "
+            "waited to run %.2f of the time): slow, not hung; waiting up to %.2f s more",
+            ", ".join(str(h.rank) for h in suspects),
+            max(h.silent_s for h in suspects),
+            busy[0].rank,
+            busy[0].runnable,
+            min(h.timeout_s for h in suspects),
+        )
+        return True
