@@ -94,7 +94,9 @@ def test_without_in_process_restart_the_faulted_rank_rescues(
     """The same fault under --no-inprocess: the failing worker rescues step 6 into the memory
     the agent keeps. Its peer rescues step 6 too only when its next collective fails before
     the launcher's SIGTERM ends it (a race: the peer is in step 7's forward, or already past
-    its optimizer step); the restore takes the newest step both hold, bit-exact either way."""
+    its optimizer step), or it starts that rescue and the SIGTERM cuts it short: the slot it
+    was overwriting (step 2's) is then invalid and not offered. The restore takes the newest
+    step both hold, bit-exact in every case."""
     plan = _plan(tmp_path, "{step: 6, rank: 1, kind: exception}")
     extra = ["--faults", plan, "--snapshot-every", "3", "--no-inprocess"]
     assert _run(tmp_path, *extra) == [reference, reference]
@@ -102,7 +104,7 @@ def test_without_in_process_restart_the_faulted_rank_rescues(
     [load, *_] = _loads(tmp_path)
     held = load.get("memory")
     assert held[1] == [6, 5, 3], load.data  # the faulted rank rescued step 6
-    assert held[0] in ([5, 3, 2], [6, 5, 3]), load.data
+    assert held[0] in ([5, 3, 2], [6, 5, 3], [5, 3]), load.data
     assert (fault.layer, fault.restore_tier) == ("launcher", "memory")
     assert fault.restored_step == held[0][0] and fault.steps_lost == 6 - held[0][0]
 
