@@ -16,12 +16,11 @@ tests drive it with scripted heartbeats and times:
 - a worker "finishing" (past its last step, or restarting in-process) gets the configured
   initial timeout until its next heartbeat without that flag;
 - a silent worker that is computing is slow, not hung: when a deadline passes and some
-  suspect of the node (a worker late, or within half a timeout of it) used at least
-  ``BUSY_CORES`` of a core since it became one (``runnable_s``: the time its threads ran or waited
-  to run, /proc's schedstat),
-  every suspect gets one more timeout, up to ``BUSY_LIMIT`` timeouts of silence (a loop that
+  suspect of the node (a worker late, or within half a timeout of it) was runnable for at least
+  ``BUSY_CORES`` of the time since it became one (``runnable_s``: the time its threads ran or
+  waited to run, /proc's schedstat), every suspect gets one more timeout, up to ``BUSY_LIMIT`` timeouts of silence (a loop that
   spins is a hang too). A hung rank sleeps or waits (a collective whose peer never comes, a
-  lock), and so does every rank waiting on it; a busy machine's slow step computes. The CPU is
+  lock), and so does every rank waiting on it; a busy machine's slow step computes. That time is
   measured from the half-timeout mark, not the heartbeat: the end of the step that sent it
   (a snapshot's copy, the next batch) is work, not progress.
 
@@ -400,7 +399,7 @@ class HeartbeatTracker:
             d[0] if w.suspect or self.runnable_s is None else d[0] - d[1] / 2
             for w in self.workers.values()
             if (d := self._deadline(w)) is not None
-        ]  # a worker's CPU is measured from the moment it becomes a suspect
+        ]  # a worker's runnable time is measured from the moment it becomes a suspect
         return min(times, default=None)
 
     def overdue(self, now: float) -> list[Hang]:
