@@ -271,3 +271,34 @@ def test_index_search_goes_to_the_knowledge_base(tmp_path: Path, served) -> None
     assert code == 200 and res["hits"] == []  # not FTS5 syntax: searched as words, no error
     code, res = s.json("/api/search?q=")
     assert code == 400 and "empty search" in res["error"]
+
+
+def test_the_refresh_budget_counts_cpu_not_the_wait_for_a_core(tmp_path: Path) -> None:
+    """A refresh that waits (here for the GIL, held by a spinning thread half the time) is not
+    charged for the wait: its next one is due after 10x its CPU time, not 10x its wall time, so
+    the page keeps up with a job on a busy machine. Charged by wall time, a CI run's dashboard
+    once skipped the whole 23 s of a live job's training after one slow refresh."""
+    from unbroken.dashboard.runs import BUDGET_FACTOR, RunWatch
+
+    write(tmp_path, steps(0, 2000, 0.0, dur=0.1))
+    watch = RunWatch(tmp_path, name="job", alert_config=AlertConfig())
+    stop = threading.Event()
+
+    def spin() -> None:
+        while not stop.is_set():
+            pass
+
+    spinner = threading.Thread(target=spin, daemon=True)
+    spinner.start()
+    try:
+        t0 = time.monotonic()
+        watch.refresh(force=False)
+        wall = time.monotonic() - t0
+    finally:
+        stop.set()
+        spinner.join()
+    assert watch.snapshot["figures"]["steps_completed"] == 2001
+    # The spinner holds the GIL for about half of the refresh, so its CPU time is about half
+    # its wall time; by wall time the ratio would be 1.
+    assert 0 < watch.compute_s < 0.8 * wall, (watch.compute_s, wall)
+    assert watch.due < t0 + BUDGET_FACTOR * 0.8 * wall

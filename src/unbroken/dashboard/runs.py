@@ -64,7 +64,7 @@ class RunWatch:
         self._ledger: Ledger | None = None
         self._generation = 0
         self.compute_s = 0.0
-        """Seconds the last refresh spent (tail, report, alerts, snapshot)."""
+        """CPU seconds the last refresh's thread spent (tail, report, alerts, snapshot)."""
         self.due = 0.0
         """Monotonic time before which ``refresh(force=False)`` skips this run (the CPU budget)."""
         self._window: tuple[float, float | None] = (float("-inf"), None)
@@ -90,14 +90,17 @@ class RunWatch:
     def refresh(self, now: float | None = None, *, force: bool = True) -> bool:
         """Read what the ledger gained; True when the snapshot changed.
 
-        With ``force=False`` a run is skipped until ``due``: a refresh that cost c seconds is
-        followed by the next no sooner than ``BUDGET_FACTOR * c`` later, so watching a long run
-        takes at most about 1/BUDGET_FACTOR of a core, whatever its size.
+        With ``force=False`` a run is skipped until ``due``: a refresh that cost c CPU seconds
+        is followed by the next no sooner than ``BUDGET_FACTOR * c`` later, so watching a long
+        run takes at most about 1/BUDGET_FACTOR of a core, whatever its size. The cost is the
+        thread's CPU time, not the wall time: on a busy machine a refresh waits for a core (and
+        for the GIL while a viewer's stream is serialized), and counting that wait would space
+        the refreshes out, and the page fall behind the job, exactly when the job is busy.
         """
         mono = time.monotonic()
         if not force and mono < self.due:
             return False
-        t = time.perf_counter()
+        t = time.thread_time()
         now = time.time() if now is None else now
         new = self.tail.poll()
         if self.tail.generation != self._generation:
@@ -113,7 +116,7 @@ class RunWatch:
         try:
             return self._refresh(now, new)
         finally:
-            self.compute_s = time.perf_counter() - t
+            self.compute_s = time.thread_time() - t
             self.due = mono + BUDGET_FACTOR * self.compute_s
 
     def _refresh(self, now: float, new: list[Event]) -> bool:
