@@ -43,14 +43,14 @@ def _counters(text: str) -> dict[str, float]:
     }
 
 
-def _wait_for(pred, what: str, timeout_s: float):
+def _wait_for(pred, what, timeout_s: float):
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         got = pred()
         if got:
             return got
         time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}")
+    raise AssertionError(f"timed out waiting for {what() if callable(what) else what}")
 
 
 def _stop(proc: subprocess.Popen) -> None:
@@ -90,34 +90,6 @@ def test_watch_a_live_job(tmp_path: Path) -> None:
     try:
         line = _wait_for(dash.stdout.readline, "the dashboard's URL", 30)
         url = re.search(r"http://\S+/", line).group(0)
-        cmd = unbroken_run_cmd(
-            run_dir,
-            nproc=2,
-            steps=70,
-            launcher_args=["--max-restarts", "3", "--ft-metrics-port", "0"],
-            extra=[
-                "--faults",
-                str(tmp_path / "plan.yaml"),
-                "--ckpt-every",
-                "5",
-                "--soft-timeout-s",
-                "2",
-                "--hard-timeout-s",
-                "6",
-            ],
-        )
-        job = subprocess.Popen(
-            cmd, env=worker_env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-        )
-        port = _wait_for(
-            lambda: re.findall(r"/metrics on http://[^:]+:(\d+)/", Path(log.name).read_text()),
-            "the launcher's /metrics port",
-            60,
-        )[0]
-        metrics_url = f"http://127.0.0.1:{port}/metrics"
-        scrapes = [_counters(_get(metrics_url))]
-        _wait_for(lambda: json.loads(_get(url + "api/runs"))["runs"], "the run to appear", 60)
-
         with sync_playwright() as p:
             browser = p.chromium.launch(
                 executable_path=CHROMIUM,
@@ -130,6 +102,43 @@ def test_watch_a_live_job(tmp_path: Path) -> None:
             )
             try:
                 page = browser.new_page(viewport={"width": 1300, "height": 1800})
+                # Chromium and its page start before the job: on a loaded machine that can take
+                # longer than the job's 70 steps (seen in CI), and the page must see it running.
+                cmd = unbroken_run_cmd(
+                    run_dir,
+                    nproc=2,
+                    steps=70,
+                    launcher_args=["--max-restarts", "3", "--ft-metrics-port", "0"],
+                    extra=[
+                        "--faults",
+                        str(tmp_path / "plan.yaml"),
+                        "--ckpt-every",
+                        "5",
+                        "--soft-timeout-s",
+                        "2",
+                        "--hard-timeout-s",
+                        "6",
+                    ],
+                )
+                job = subprocess.Popen(
+                    cmd,
+                    env=worker_env(),
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                )
+                port = _wait_for(
+                    lambda: re.findall(
+                        r"/metrics on http://[^:]+:(\d+)/", Path(log.name).read_text()
+                    ),
+                    "the launcher's /metrics port",
+                    60,
+                )[0]
+                metrics_url = f"http://127.0.0.1:{port}/metrics"
+                scrapes = [_counters(_get(metrics_url))]
+                _wait_for(
+                    lambda: json.loads(_get(url + "api/runs"))["runs"], "the run to appear", 60
+                )
                 page.goto(url + "run/job")
                 chart = page.locator("#step-chart")
 
@@ -138,7 +147,14 @@ def test_watch_a_live_job(tmp_path: Path) -> None:
 
                 _wait_for(lambda: points() >= 3, "steps on the chart", 90)
                 first = points()
-                _wait_for(lambda: points() > first, "the step chart to grow", 30)
+                _wait_for(
+                    lambda: points() > first,
+                    lambda: (
+                        f"the step chart to grow past {first} points (it has {points()}, "
+                        f"status {page.locator('#status').inner_text()!r}, job exit {job.poll()})"
+                    ),
+                    30,
+                )
                 assert page.locator("#status").inner_text() == "running"
                 assert page.locator("#step-chart canvas").count() >= 1
                 scrapes.append(_counters(_get(metrics_url)))
