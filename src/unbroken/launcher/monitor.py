@@ -18,8 +18,8 @@ tests drive it with scripted heartbeats and times:
 - a silent worker that is computing is slow, not hung: when a deadline passes and some
   suspect of the node (a worker late, or within half a timeout of it) was runnable for at least
   ``BUSY_CORES`` of the time since it became one (``runnable_s``: the time its threads ran or
-  waited to run, /proc's schedstat), every suspect gets one more timeout, up to ``BUSY_LIMIT`` timeouts of silence (a loop that
-  spins is a hang too). A hung rank sleeps or waits (a collective whose peer never comes, a
+  waited to run, /proc's schedstat), every suspect gets one more timeout, up to ``BUSY_LIMIT``
+  timeouts of silence (a loop that spins is a hang too). A hung rank sleeps or waits (a collective whose peer never comes, a
   lock), and so does every rank waiting on it; a busy machine's slow step computes. That time is
   measured from the half-timeout mark, not the heartbeat: the end of the step that sent it
   (a snapshot's copy, the next batch) is work, not progress.
@@ -408,7 +408,7 @@ class HeartbeatTracker:
         while no worker is past its deadline, or while a suspect computes (``_computing``)."""
         if not self.enabled:
             return []
-        out, late = [], False
+        suspects, late = [], False
         for lr, w in self.workers.items():
             d = self._deadline(w)
             if d is None or now < d[0] - d[1] / 2:
@@ -416,20 +416,23 @@ class HeartbeatTracker:
             if not w.suspect:
                 w.suspect, w.mark = True, self._mark(w, now)
             late = late or now >= d[0]
-            since = w.last if w.last is not None else w.start
-            out.append(
-                Hang(
-                    local_rank=lr,
-                    rank=w.rank,
-                    pid=w.pid,
-                    silent_s=now - since,
-                    timeout_s=d[1],
-                    phase=d[2],
-                    last_step=w.last_step,
-                    runnable=self._cores(w, now),
-                )
+            suspects.append((lr, w, d))
+        if not late:
+            return []  # /proc is read only once someone is late
+        out = [
+            Hang(
+                local_rank=lr,
+                rank=w.rank,
+                pid=w.pid,
+                silent_s=now - (w.last if w.last is not None else w.start),
+                timeout_s=d[1],
+                phase=d[2],
+                last_step=w.last_step,
+                runnable=self._cores(w, now),
             )
-        if not late or self._computing(out, now):
+            for lr, w, d in suspects
+        ]
+        if self._computing(out, now):
             return []
         out.sort(key=lambda h: (-h.silent_s, h.rank))
         return out
