@@ -57,6 +57,17 @@ def _cmd_report(args: argparse.Namespace) -> int:
     return 0
 
 
+def _kinds() -> list[str]:
+    from unbroken.faults import KINDS
+
+    return list(KINDS)
+
+
+def _when(f: Any) -> str:
+    """When a fault fires, as ``faults show`` prints it ("after step 12", "phase data ...")."""
+    return f"after step {f.step:>5}" if f.phase is None else f.when()
+
+
 def _cmd_faults_show(args: argparse.Namespace) -> int:
     from unbroken.faults import KINDS, load_plan
 
@@ -68,12 +79,13 @@ def _cmd_faults_show(args: argparse.Namespace) -> int:
         return 0
     print(f"{args.plan}: {len(plan)} fault(s), in firing order")
     width = max(len(f.kind) for f in plan.faults)
+    when = max(len(_when(f)) for f in plan.faults)
     for f in plan.faults:
         settings = f.settings()
         shown = ", ".join(f"{k}={v}" for k, v in settings.items() if v is not None)
-        print(f"  after step {f.step:>5} on rank {f.rank:>3}: {f.kind:<{width}} {KINDS[f.kind]}")
+        print(f"  {_when(f):<{when}} on rank {f.rank:>3}: {f.kind:<{width}} {KINDS[f.kind]}")
         if shown:
-            print(f"  {'':>29}{'':<{width}} ({shown})")
+            print(f"  {'':<{when}} {'':>11} {'':<{width}} ({shown})")
     return 0
 
 
@@ -151,7 +163,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     f = sub.add_parser("faults", help="fault plans")
     fsub = f.add_subparsers(dest="faults_command", required=True)
-    fs = fsub.add_parser("show", help="print a plan's schedule as it will fire")
+    fs = fsub.add_parser(
+        "show",
+        help="print a plan's schedule as it will fire",
+        description="Print a fault plan's schedule as it will fire. A plan is YAML: a list "
+        "'faults' of {step, rank, kind} entries (extra keys: the kind's parameters), or with "
+        "'phase' (init, recovery, restore, save, persist, shutdown, or a phase the script "
+        "names: data, validation, ...) to fire on entry into that phase, after 'step' or at "
+        "its 'occurrence'-th entry; and/or a seeded 'random' schedule. Kinds: "
+        + ", ".join(sorted(_kinds())),
+    )
     fs.add_argument("plan", help="a fault plan (YAML)")
     fs.add_argument("--world-size", type=int, default=None, help="check ranks against a world")
     fs.set_defaults(func=_cmd_faults_show)

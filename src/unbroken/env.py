@@ -38,6 +38,32 @@ UNBROKEN_FAULTS = "UNBROKEN_FAULTS"
 passes through the launcher), for testing a script's recovery without changing it."""
 
 
+# ours: a benchmark's (or an operator's) configuration of an adopted script, from outside it.
+# ``Overrides`` reads them; they win over what the script passes (see its docstring).
+UNBROKEN_CKPT_MODE = "UNBROKEN_CKPT_MODE"
+UNBROKEN_CKPT_EVERY = "UNBROKEN_CKPT_EVERY"
+UNBROKEN_SNAPSHOT_EVERY = "UNBROKEN_SNAPSHOT_EVERY"
+UNBROKEN_MEMORY_TIER = "UNBROKEN_MEMORY_TIER"
+UNBROKEN_INPROCESS = "UNBROKEN_INPROCESS"
+UNBROKEN_SOFT_TIMEOUT_S = "UNBROKEN_SOFT_TIMEOUT_S"
+UNBROKEN_HARD_TIMEOUT_S = "UNBROKEN_HARD_TIMEOUT_S"
+UNBROKEN_PHASE_TIMEOUTS = "UNBROKEN_PHASE_TIMEOUTS"
+UNBROKEN_PG_TIMEOUT_S = "UNBROKEN_PG_TIMEOUT_S"
+UNBROKEN_MAX_RANK_FAULTS = "UNBROKEN_MAX_RANK_FAULTS"
+OVERRIDE_NAMES = (
+    UNBROKEN_CKPT_MODE,
+    UNBROKEN_CKPT_EVERY,
+    UNBROKEN_SNAPSHOT_EVERY,
+    UNBROKEN_MEMORY_TIER,
+    UNBROKEN_INPROCESS,
+    UNBROKEN_SOFT_TIMEOUT_S,
+    UNBROKEN_HARD_TIMEOUT_S,
+    UNBROKEN_PHASE_TIMEOUTS,
+    UNBROKEN_PG_TIMEOUT_S,
+    UNBROKEN_MAX_RANK_FAULTS,
+)
+
+
 def _int(environ: Mapping[str, str], name: str, default: int) -> int:
     raw = environ.get(name)
     if raw is None or raw == "":
@@ -124,6 +150,123 @@ class WorkerEnv:
             peers=tuple(p for p in (e.get(UNBROKEN_PEERS) or "").split(",") if p),
             fault_plan=Path(e[UNBROKEN_FAULTS]) if e.get(UNBROKEN_FAULTS) else None,
         )
+
+
+def _bad(name: str, raw: str, what: str) -> ValueError:
+    return ValueError(
+        f"environment variable {name}={raw!r}: {what}; fix or unset it "
+        "(see `unbroken bench recovery --help` for what each override does)"
+    )
+
+
+def _flag(e: Mapping[str, str], name: str) -> bool | None:
+    raw = e.get(name, "")
+    if raw == "":
+        return None
+    if raw.lower() in ("1", "true", "yes", "on"):
+        return True
+    if raw.lower() in ("0", "false", "no", "off"):
+        return False
+    raise _bad(name, raw, "must be 1 or 0")
+
+
+def _count(e: Mapping[str, str], name: str, low: int) -> int | None:
+    raw = e.get(name, "")
+    if raw == "":
+        return None
+    try:
+        value = int(raw)
+    except ValueError:
+        raise _bad(name, raw, f"must be an integer >= {low}") from None
+    if value < low:
+        raise _bad(name, raw, f"must be an integer >= {low}")
+    return value
+
+
+def _seconds(e: Mapping[str, str], name: str, raw: str | None = None) -> float | None:
+    raw = e.get(name, "") if raw is None else raw
+    if raw == "":
+        return None
+    try:
+        value = float(raw)
+    except ValueError:
+        value = float("nan")
+    if not (value > 0 and value != float("inf")):
+        raise _bad(name, raw, "must be a number of seconds > 0")
+    return value
+
+
+def _phase_timeouts(e: Mapping[str, str]) -> tuple[tuple[str, float], ...]:
+    raw = e.get(UNBROKEN_PHASE_TIMEOUTS, "")
+    out: dict[str, float] = {}
+    for item in (x.strip() for x in raw.split(",")):
+        if not item:
+            continue
+        name, sep, value = item.partition("=")
+        if not sep or not name.strip():
+            raise _bad(UNBROKEN_PHASE_TIMEOUTS, raw, "must be name=seconds[,name=seconds...]")
+        seconds = _seconds(e, UNBROKEN_PHASE_TIMEOUTS, value.strip())
+        assert seconds is not None
+        out[name.strip()] = seconds
+    return tuple(sorted(out.items()))
+
+
+@dataclass(frozen=True, kw_only=True)
+class Overrides:
+    """A configuration given to an adopted script from outside it, through the environment
+    (``UNBROKEN_CKPT_MODE`` ...): how a benchmark runs a user's own job under each
+    configuration without editing it. Each field, when set, wins over what the script passes
+    (``Checkpointer`` arguments, ``unbroken.run``'s ``RestartConfig``); None: not overridden."""
+
+    ckpt_mode: str | None = None
+    """``UNBROKEN_CKPT_MODE``: "async" or "sync" (``CheckpointConfig.mode``)."""
+    ckpt_every: int | None = None
+    """``UNBROKEN_CKPT_EVERY``: the durable interval in steps (``every_steps``; 0: none)."""
+    snapshot_every: int | None = None
+    """``UNBROKEN_SNAPSHOT_EVERY``: steps between memory snapshots (``snapshot_every``)."""
+    memory_tier: bool | None = None
+    """``UNBROKEN_MEMORY_TIER``: 0 keeps no snapshot in memory (every restore reads disk)."""
+    inprocess: bool | None = None
+    """``UNBROKEN_INPROCESS``: 0 turns in-process restart off (``RestartConfig.enabled``)."""
+    soft_timeout_s: float | None = None
+    """``UNBROKEN_SOFT_TIMEOUT_S``: the steady hang timeout (``RestartConfig.soft_timeout_s``)."""
+    hard_timeout_s: float | None = None
+    """``UNBROKEN_HARD_TIMEOUT_S``: the steady kill timeout (``RestartConfig.hard_timeout_s``)."""
+    phase_timeouts_s: tuple[tuple[str, float], ...] = ()
+    """``UNBROKEN_PHASE_TIMEOUTS``: ``name=seconds,...``, hang timeouts of phases."""
+    pg_timeout_s: float | None = None
+    """``UNBROKEN_PG_TIMEOUT_S``: the collective timeout (``RestartConfig.pg_timeout_s``)."""
+    max_rank_faults: int | None = None
+    """``UNBROKEN_MAX_RANK_FAULTS``: faults of one rank before in-process restart hands over."""
+
+    @classmethod
+    def from_environ(cls, environ: Mapping[str, str] | None = None) -> Overrides:
+        """The overrides set in the environment; ValueError naming a malformed one."""
+        e = os.environ if environ is None else environ
+        mode = e.get(UNBROKEN_CKPT_MODE, "") or None
+        if mode is not None and mode not in ("async", "sync"):
+            raise _bad(UNBROKEN_CKPT_MODE, mode, 'must be "async" or "sync"')
+        return cls(
+            ckpt_mode=mode,
+            ckpt_every=_count(e, UNBROKEN_CKPT_EVERY, 0),
+            snapshot_every=_count(e, UNBROKEN_SNAPSHOT_EVERY, 0),
+            memory_tier=_flag(e, UNBROKEN_MEMORY_TIER),
+            inprocess=_flag(e, UNBROKEN_INPROCESS),
+            soft_timeout_s=_seconds(e, UNBROKEN_SOFT_TIMEOUT_S),
+            hard_timeout_s=_seconds(e, UNBROKEN_HARD_TIMEOUT_S),
+            phase_timeouts_s=_phase_timeouts(e),
+            pg_timeout_s=_seconds(e, UNBROKEN_PG_TIMEOUT_S),
+            max_rank_faults=_count(e, UNBROKEN_MAX_RANK_FAULTS, 1),
+        )
+
+    def given(self) -> dict[str, object]:
+        """The fields that are set (for the ledger's ``process_start`` record)."""
+        out: dict[str, object] = {}
+        for name in self.__dataclass_fields__:
+            value = getattr(self, name)
+            if value is not None and value != ():
+                out[name] = dict(value) if name == "phase_timeouts_s" else value
+        return out
 
 
 # torchrun's worker environment, continued (set by unbroken-run as torchrun does)

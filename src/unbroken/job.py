@@ -14,8 +14,17 @@ that a script adopts unbroken in a few lines and its report has every figure:
 - every ``ctx.step_done`` also sends the launcher heartbeat (``unbroken.heartbeat``) with the
   newest step an open Checkpointer saw committed, for the launcher's hang and no-progress
   guards;
-- the fault plan named by ``UNBROKEN_FAULTS`` fires from ``ctx.step_done``, so a script's
-  recovery is tested with the plans that test unbroken's own, without changing the script;
+- the fault plan named by ``UNBROKEN_FAULTS`` (or ``fault_plan``) fires from ``ctx.step_done``
+  and on entry into the phases it targets (``unbroken.ledger.phases``: ``init`` as ``fn`` is
+  first called in a process, ``recovery`` as it is called again after a fault or in a process
+  the launcher restarted, the Checkpointer's and the script's own), so a script's recovery is
+  tested with the plans that test unbroken's own, without changing the script; a Checkpointer
+  made in ``fn`` gets the plan's storage-fault hooks;
+- the environment's overrides (``unbroken.env.Overrides``: ``UNBROKEN_INPROCESS``,
+  ``UNBROKEN_SOFT_TIMEOUT_S`` ...) win over ``config``, as the checkpoint ones win over a
+  Checkpointer's arguments: a benchmark configures the script from outside;
+- a named phase (``ctx.phase``) that has lasted long before tells the launcher, which then
+  gives it its initial timeout instead of the step-sized one until the next step;
 - Checkpointers that a failed ``fn`` left open are aborted, so that no writer process outlives
   its iteration and the next one restores from memory.
 - a Checkpointer's wait for a commit (``close`` after the loop, ``wait``, a sync save) is
@@ -43,18 +52,19 @@ import logging
 import os
 import sys
 import time
-from collections.abc import Callable, Iterator
+import traceback
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, NoReturn, TypeVar
 
 from unbroken import restart
-from unbroken.checkpoint import forkserver, node
+from unbroken.checkpoint import forkserver, hooks, node
 from unbroken.checkpoint.checkpointer import Checkpointer, open_checkpointers
-from unbroken.env import WorkerEnv, standby_start
+from unbroken.env import Overrides, WorkerEnv, standby_start
 from unbroken.errors import EXIT_CONFIG, ConfigError
 from unbroken.faults import FaultInjector, load_plan
 from unbroken.launcher.client import heartbeat
-from unbroken.ledger import NULL, Ledger, install_sigterm_flush, process_start_time
+from unbroken.ledger import NULL, Ledger, install_sigterm_flush, phases, process_start_time
 from unbroken.ledger import events as ev
 from unbroken.ledger.active import activate
 from unbroken.restart import Escalated, RankExcluded, RestartConfig, RestartContext
@@ -62,6 +72,9 @@ from unbroken.restart import Escalated, RankExcluded, RestartConfig, RestartCont
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
+
+LONG_PHASE_S = 0.1
+"""A named phase that once lasted this long tells the launcher on entry (see the docstring)."""
 
 
 def run_dir_for(env: WorkerEnv, script: str = "") -> Path | None:
@@ -86,36 +99,76 @@ def _node_tiers(env: WorkerEnv) -> node.NodeTiers:
     )
 
 
-def run(fn: Callable[[RestartContext], T], *, config: RestartConfig | None = None) -> T:
+def run(
+    fn: Callable[[RestartContext], T],
+    *,
+    config: RestartConfig | None = None,
+    run_dir: str | os.PathLike[str] | None = None,
+    fault_plan: str | os.PathLike[str] | None = None,
+    meta: Mapping[str, Any] | None = None,
+) -> T:
     """Call ``fn(ctx)`` on every rank until it returns everywhere, restarting it in-process
     after a fault; returns its value. See ``unbroken.restart.run`` for the contract of ``fn``
     (call from the main thread; ``run`` forms the process group) and the module docstring for
     what is attached.
 
-    What may escape, and what to do with it (``main`` does it):
-    ``Escalated``: in-process restart gave up; exit with ``Escalated.exit_code`` (75), the
-    launcher restarts the workers. ``RankExcluded``: this rank left the job, its peers go on;
-    exit with ``RankExcluded.exit_code`` (0: a non-zero exit would stop the peers too).
-    Anything else (a bad ``UNBROKEN_FAULTS`` plan, an unreachable store, ``KeyboardInterrupt``):
-    let it end the process.
+    Args:
+        fn: the training function; called again after an in-process restart.
+        config: how faults are detected and restarted (default ``RestartConfig()``); the
+            environment's overrides win over it.
+        run_dir: where the ledger (and, by the script's choice, checkpoints) go; default: the
+            launcher's run directory, else see ``run_dir_for``.
+        fault_plan: a fault plan (YAML) to fire; default: ``UNBROKEN_FAULTS``, if set.
+        meta: more fields of this process's ``process_start`` ledger record (e.g. the
+            script's flags, JSON-serialisable); the knowledge base indexes them.
+
+    Returns:
+        What ``fn`` returned in its last, successful call.
+
+    Raises:
+        Escalated: in-process restart gave up; exit with ``Escalated.exit_code`` (75), the
+            launcher restarts the workers.
+        RankExcluded: this rank left the job, its peers go on; exit with
+            ``RankExcluded.exit_code`` (0: a non-zero exit would stop the peers too).
+        ConfigError: a bad fault plan or override; no restart fixes it.
+        Exception: anything else ``fn`` raised with in-process restart off
+            (``UNBROKEN_INPROCESS=0``), or an unreachable store: let it end the process.
     """
     env = WorkerEnv.from_environ()
-    run_dir = run_dir_for(env, sys.argv[0])
     if run_dir is not None:
-        run_dir = run_dir.resolve()
-        env = dataclasses.replace(env, run_dir=run_dir)
-    ledger = _open_ledger(env, run_dir) if run_dir is not None else None
+        env = dataclasses.replace(env, run_dir=Path(run_dir))
+    if fault_plan is not None:
+        env = dataclasses.replace(env, fault_plan=Path(fault_plan))
+    where = run_dir_for(env, sys.argv[0])
+    if where is not None:
+        env = dataclasses.replace(env, run_dir=where.resolve())
+    try:
+        overrides = Overrides.from_environ()
+        config = _restart_config(config or RestartConfig(), overrides)
+    except ValueError as e:
+        raise ConfigError(str(e)) from e
+    ledger = _open_ledger(env, env.run_dir, meta, overrides) if env.run_dir is not None else None
     try:
         try:
             injector = _injector(env, ledger)
         except (ValueError, FileNotFoundError) as e:
             raise ConfigError(str(e)) from e
-        with (
-            activate(NULL if ledger is None else ledger),
-            node.provide(_node_tiers(env)),
-            forkserver.serving(),  # before fn builds anything: its writers share no page of it
-        ):
-            value = restart.run(_with_hooks(fn, injector), config=config, ledger=ledger, env=env)
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(activate(NULL if ledger is None else ledger))
+            stack.enter_context(node.provide(_node_tiers(env)))
+            offer = node.JobOffer(overrides=overrides, relaunched=env.restart_count > 0)
+            stack.enter_context(node.provide_job(offer))
+            # Before fn builds anything: its writers share no page of it.
+            stack.enter_context(forkserver.serving())
+            if injector is not None:
+                stack.enter_context(phases.listening(injector.on_phase))
+                stack.enter_context(hooks.offer(injector.hooks_for))
+            value = restart.run(
+                _with_hooks(fn, injector, relaunched=env.restart_count > 0),
+                config=config,
+                ledger=ledger,
+                env=env,
+            )
     except (Escalated, RankExcluded, ConfigError, KeyboardInterrupt, SystemExit):
         if ledger is not None:
             ledger.close()
@@ -138,20 +191,38 @@ def run(fn: Callable[[RestartContext], T], *, config: RestartConfig | None = Non
     return value
 
 
-def main(fn: Callable[[RestartContext], Any], *, config: RestartConfig | None = None) -> NoReturn:
-    """A training script's entry point: ``run(fn, config=config)``, then exit the process with
-    the code the launcher expects: 0 when ``fn`` returned; ``Escalated.exit_code`` (75) when
-    in-process restart gave up (the launcher takes over); ``RankExcluded.exit_code`` (0) on a
-    rank that left the job; ``EXIT_CONFIG`` (78) on a ``ConfigError`` (see ``unbroken.restart.run``:
-    ``unbroken-run`` ends the job with exit code 2). Any other error propagates (a traceback, exit 1; the launcher's
-    error file names it). Sets up logging unless the script already did."""
+def main(
+    fn: Callable[[RestartContext], Any],
+    *,
+    config: RestartConfig | None = None,
+    run_dir: str | os.PathLike[str] | None = None,
+    fault_plan: str | os.PathLike[str] | None = None,
+    meta: Mapping[str, Any] | None = None,
+    exit_fast: bool = False,
+) -> NoReturn:
+    """A training script's entry point: ``run(fn, ...)`` (same arguments), then exit the
+    process with the code the launcher expects. Sets up logging unless the script already did.
+
+    Args:
+        fn, config, run_dir, fault_plan, meta: as for ``run``.
+        exit_fast: on an error, exit at once (``os._exit``) once the ledger, the error file
+            and the traceback are written, skipping the interpreter's teardown with torch
+            loaded (module finalizers, process-group destructors: a fraction of a second the
+            launcher and the peers would wait for). The script's atexit handlers and its own
+            unflushed files are lost then: only for scripts that keep nothing there.
+
+    Exit codes: 0 when ``fn`` returned; ``Escalated.exit_code`` (75) when in-process restart
+    gave up (the launcher takes over); ``RankExcluded.exit_code`` (0) on a rank that left the
+    job; ``EXIT_CONFIG`` (78) on a ``ConfigError`` (``unbroken-run`` then ends the job with
+    exit code 2); 1 on any other error (a traceback; the launcher's error file names it).
+    """
     from torch.distributed.elastic.multiprocessing.errors import get_error_handler
 
     from unbroken.log import init_logging
 
     init_logging()
     try:
-        run(fn, config=config)
+        run(fn, config=config, run_dir=run_dir, fault_plan=fault_plan, meta=meta)
     except (Escalated, RankExcluded) as e:
         logger.error("%s: %s; exit code %d", type(e).__name__, e, e.exit_code)
         sys.exit(e.exit_code)
@@ -161,13 +232,53 @@ def main(fn: Callable[[RestartContext], Any], *, config: RestartConfig | None = 
         sys.exit(EXIT_CONFIG)
     except Exception as e:
         get_error_handler().record_exception(e)  # the launcher reads the root cause from it
-        raise
+        if not exit_fast:
+            raise
+        traceback.print_exc()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
     sys.exit(0)
 
 
-def _open_ledger(env: WorkerEnv, run_dir: Path) -> Ledger:
+def _restart_config(config: RestartConfig, overrides: Overrides) -> RestartConfig:
+    """``config`` with the environment's overrides applied; ValueError naming them."""
+    fields: dict[str, Any] = {}
+    if overrides.inprocess is not None:
+        fields["enabled"] = overrides.inprocess
+    for name in ("soft_timeout_s", "hard_timeout_s", "pg_timeout_s", "max_rank_faults"):
+        value = getattr(overrides, name)
+        if value is not None:
+            fields[name] = value
+    if overrides.phase_timeouts_s:
+        fields["phase_timeouts_s"] = {
+            **config.phase_timeouts_s,
+            **dict(overrides.phase_timeouts_s),
+        }
+    hard = fields.get("hard_timeout_s", config.hard_timeout_s)
+    if hard is not None and hard + 60.0 > config.barrier_timeout_s:  # peers wait out a kill
+        fields["barrier_timeout_s"] = hard + 60.0
+    if not fields:
+        return config
+    try:
+        return dataclasses.replace(config, **fields)
+    except ValueError as e:
+        raise ValueError(
+            f"the environment's overrides {sorted(overrides.given())} do not fit the script's "
+            f"RestartConfig: {e}"
+        ) from None
+
+
+def _open_ledger(
+    env: WorkerEnv, run_dir: Path, meta: Mapping[str, Any] | None, overrides: Overrides
+) -> Ledger:
     """The process's ledger, with its start-up (process start -> now) and, after a launcher
     restart, the restart's end."""
+    import platform
+    import socket
+
+    import torch
+
     started = standby_start() or process_start_time()
     run_dir.mkdir(parents=True, exist_ok=True)
     run_id = env.run_id if env.run_id and env.run_id != "none" else run_dir.name
@@ -179,6 +290,13 @@ def _open_ledger(env: WorkerEnv, run_dir: Path) -> Ledger:
         pid=os.getpid(),
         local_rank=env.local_rank,
         world_size=env.world_size,
+        host=socket.gethostname(),
+        argv=list(sys.argv),
+        python=platform.python_version(),
+        torch=torch.__version__,
+        adopted=True,
+        **({"overrides": overrides.given()} if overrides.given() else {}),
+        **dict(meta or {}),
     )
     ledger.interval(ev.PHASE, begin=started, name="import")
     ledger.mark()
@@ -223,21 +341,45 @@ def _beat(step: int) -> None:
 
 
 def _with_hooks(
-    fn: Callable[[RestartContext], T], injector: FaultInjector | None
+    fn: Callable[[RestartContext], T], injector: FaultInjector | None, *, relaunched: bool
 ) -> Callable[[RestartContext], T]:
-    """``fn`` with the heartbeat and the fault plan on its steps, and the Checkpointers it
-    leaves open when it fails aborted once it has ended."""
+    """``fn`` with the heartbeat and the fault plan on its steps, the launcher told of long
+    phases, the ``init``/``recovery`` phases announced, and the Checkpointers it leaves open
+    when it fails aborted once it has ended."""
+    beat = _PhaseBeat()
 
     def iteration(ctx: RestartContext) -> T:
         ctx.add_step_hook(_beat)
         if injector is not None:
             ctx.add_step_hook(injector.on_step)
+        ctx.add_phase_hook(beat)
         ctx.add_exit_hook(functools.partial(_abort_new, set(open_checkpointers())))
         ctx.add_exit_hook(_restarting)
         with node.provide_waiting(functools.partial(_waiting, ctx)):
+            if ctx.iteration == 0:
+                phases.entered("init")
+            if ctx.iteration > 0 or relaunched:
+                phases.entered("recovery")
             return fn(ctx)
 
     return iteration
+
+
+class _PhaseBeat:
+    """A phase hook: on entry into a named phase that has lasted ``LONG_PHASE_S`` or more
+    before (or is new), a "finishing" heartbeat: the launcher's initial timeout covers it
+    instead of the step-sized one, until the next step's heartbeat. Short phases (a batch
+    fetch) cost no datagram."""
+
+    def __init__(self) -> None:
+        self.longest: dict[str, float] = {}
+
+    def __call__(self, name: str, dur_s: float | None) -> None:
+        if dur_s is not None:
+            if dur_s > self.longest.get(name, -1.0):
+                self.longest[name] = dur_s
+        elif self.longest.get(name, LONG_PHASE_S) >= LONG_PHASE_S:
+            heartbeat(finishing=True)
 
 
 @contextlib.contextmanager

@@ -55,7 +55,10 @@ def test_bad_inputs_are_rejected(tmp_path: Path) -> None:
         Event(kind=ev.STEP, data={"rank": 3})
     led = Ledger(tmp_path, run="r", rank=0)
     try:
-        with pytest.raises(ValueError, match="unknown phase"), led.phase("lunch"):
+        invalid = pytest.raises(ValueError, match="phase name 'lunch break' is not valid")
+        with invalid, led.phase("lunch break"):
+            pass
+        with led.phase("lunch"):  # a user's phase (``RestartContext.phase``)
             pass
     finally:
         led.close()

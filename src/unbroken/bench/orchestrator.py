@@ -220,15 +220,21 @@ def _drive(
 
 
 def run_orchestrated(
-    cmd: Sequence[str], *, run_dir: Path, cfg: OrchestratorConfig, run_id: str | None = None
+    cmd: Sequence[str],
+    *,
+    run_dir: Path,
+    cfg: OrchestratorConfig,
+    run_id: str | None = None,
+    env: dict[str, str] | None = None,
 ) -> OrchestratorResult:
-    """Run ``cmd`` as ``cfg.nproc`` one-rank pods of the Kubernetes-only baseline."""
+    """Run ``cmd`` as ``cfg.nproc`` one-rank pods of the Kubernetes-only baseline, each with
+    ``env`` (default: this process's) under the pod's own."""
     run_dir.mkdir(parents=True, exist_ok=True)
     run_id = run_id or run_dir.name
     cluster = Cluster(
         run_dir / "orchestrator",
         cfg=EmulationConfig(mode=cfg.mode, pod_start_delay_s=cfg.restart_delay_s),
-        env=dict(os.environ),
+        env=dict(os.environ if env is None else env),
     )
     docs = baseline_objects(
         name="job", nodes=cfg.nproc, nproc=1, command=cmd, max_restarts=cfg.max_restarts

@@ -1,266 +1,74 @@
-"""``unbroken bench recovery``: the published recovery comparison, reproduced in one command.
+"""``unbroken bench recovery``: the published recovery comparison, reproduced in one command,
+on the reference script or on any training script (``-- COMMAND``: the shadow benchmark of a
+user's own job).
 
-The same workload and the same fault plan under each configuration; every figure comes from
-the same ledger code (``unbroken.ledger.goodput``). Configurations:
+The same target and the same fault plan under each configuration (``bench.target``: what a
+configuration changes reaches the script through the environment, never by editing it); every
+figure comes from the same ledger code (``unbroken.ledger.goodput``). Configurations
+(``CONFIGS``):
 
-- ``clean``: no faults (the reference hash and step time);
+- ``clean``: no faults (the reference hash, loss curve and step time);
 - ``baseline``: Kubernetes alone on the emulated cluster (``unbroken.k8s.emulate``; an
-  emulation, so labelled): one-rank pods of a JobSet; a failed pod fails the job, the JobSet
-  recreates every pod after the pod-restart delay (a hung rank ends by its peers' collective
-  timeout);
-- ``inprocess`` / ``launcher`` (with ``-sync`` variants): registered by the layers that provide
-  them (``RUNNERS``), when present. They run ``unbroken-run`` as the one pod of an Indexed Job
-  on the same emulated cluster (``run_node``), which replaces it, after the same pod-restart
-  delay, only when a ``node-loss`` fault took the whole node;
+  emulation, so labelled): one-rank pods of a JobSet, no in-process restart, no memory tier; a
+  failed pod fails the job, the JobSet recreates every pod after the pod-restart delay (a hung
+  rank ends by its peers' collective timeout);
+- ``inprocess`` / ``launcher`` (with ``-sync`` variants: synchronous checkpoints): under
+  ``unbroken-run`` as the one pod of an Indexed Job on the same emulated cluster
+  (``run_node``), which replaces it, after the same pod-restart delay, only when a
+  ``node-loss`` fault took the whole node;
 - ``inprocess-nofault`` / ``launcher-nofault``: those two without the plan, the fault-free
   twins their goodput gap is taken against (``recovery_table``).
 
-Correctness column: a configuration that recovers must end with the clean run's
-``final_state_sha256``. A faulted run's gap to its fault-free reference (its twin, else clean)
-is in points of training goodput; what it is made of: ``faults`` (what they cost: the ledger's
-``fault_s``, restarted processes' start-up included) and ``ckpt`` (saves', snapshots' and
-notes' blocking: the price of being ready), shares of the wall time, beside the median step
-(where background work shows).
+A plain torchrun script (it never calls ``unbroken.run``) runs under the observer
+(``unbroken.observe``) and skips the configurations that need adoption, saying why.
+
+Correctness column (``judge``): a faulted run must end with the fault-free runs' final hash
+where they agree (the script is deterministic); where they do not, its loss curve must stay in
+their spread. A user's command without another fault-free configuration runs ``clean`` twice
+to tell. A faulted run's gap to its fault-free reference (its twin, else clean) is in points of
+training goodput; what it is made of: ``faults`` (what they cost: the ledger's ``fault_s``,
+restarted processes' start-up included) and ``ckpt`` (saves', snapshots' and notes' blocking:
+the price of being ready), shares of the wall time, beside the median step (where background
+work shows).
 """
 
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import logging
-import os
 import re
+import shutil
 import sys
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from unbroken.bench.orchestrator import (
-    OrchestratorConfig,
-    run_node,
-    run_orchestrated,
-    train_command,
-)
+from unbroken.bench.judge import judge, losses, references_agree
+from unbroken.bench.recovery_configs import CONFIGS, Workload, run_config
 from unbroken.bench.recovery_table import (
-    NO_FAULTS,
     ConfigResult,
     format_summary,
     format_table,
     pct,
     set_gaps,
 )
-from unbroken.faults import load_plan, parse_plan
-from unbroken.launcher.config import DEFAULT_PRELOAD
+from unbroken.bench.target import (
+    REFERENCE_MODULE,
+    Target,
+    adopted,
+)
+from unbroken.faults import parse_plan
 from unbroken.ledger import goodput, read_events
 from unbroken.ledger.html import RunView, render
 
 logger = logging.getLogger(__name__)
 
-
-@dataclass(frozen=True, kw_only=True)
-class Workload:
-    """What every configuration trains."""
-
-    model: str = "tiny"
-    """Reference model size."""
-    steps: int = 200
-    """Training steps."""
-    batch_size: int = 8
-    """Samples per rank per step."""
-    seq_len: int = 64
-    """Tokens per sample."""
-    nproc: int = 2
-    """Ranks."""
-    ckpt_every: int = 25
-    """Steps between checkpoints (0: none)."""
-    snapshot_every: int = 1
-    """Steps between memory-only snapshots in the unbroken configurations (0: none)."""
-    pg_timeout_s: float = 10.0
-    """Collective timeout of the workers (what the baseline's survivors wait out)."""
-
-    def args(
-        self, run_dir: Path, *, plan: Path | None, ckpt_mode: str, snapshots: bool = False
-    ) -> list[str]:
-        out = [
-            "--model",
-            self.model,
-            "--steps",
-            str(self.steps),
-            "--batch-size",
-            str(self.batch_size),
-            "--seq-len",
-            str(self.seq_len),
-            "--run-dir",
-            str(run_dir),
-            "--pg-timeout-s",
-            str(self.pg_timeout_s),
-            "--log-every",
-            str(max(1, self.steps // 10)),
-        ]
-        if self.ckpt_every:
-            out += ["--ckpt-every", str(self.ckpt_every), "--ckpt-mode", ckpt_mode]
-        if snapshots and self.snapshot_every:
-            out += ["--snapshot-every", str(self.snapshot_every)]
-        if plan is not None:
-            out += ["--faults", str(plan)]
-        return out
+_REFERENCE_FLAGS = ("model", "steps", "batch_size", "seq_len", "ckpt_every")
+"""The reference script's workload flags (None unless given)."""
 
 
-# A runner trains the workload once into run_dir and returns (returncode, output).
-Runner = Callable[[Workload, Path, "Path | None", argparse.Namespace], tuple[int, str]]
-
-
-def _run_clean(
-    w: Workload, run_dir: Path, plan: Path | None, a: argparse.Namespace
-) -> tuple[int, str]:
-    cfg = OrchestratorConfig(
-        nproc=w.nproc, restart_delay_s=0.0, max_restarts=0, job_timeout_s=a.job_timeout_s
-    )
-    res = run_orchestrated(
-        train_command(w.args(run_dir, plan=None, ckpt_mode="async")), run_dir=run_dir, cfg=cfg
-    )
-    return res.returncode, res.output
-
-
-def _run_baseline(
-    w: Workload, run_dir: Path, plan: Path | None, a: argparse.Namespace
-) -> tuple[int, str]:
-    cfg = OrchestratorConfig(
-        nproc=w.nproc,
-        restart_delay_s=a.pod_restart_s,
-        max_restarts=a.max_restarts,
-        job_timeout_s=a.job_timeout_s,
-    )
-    res = run_orchestrated(
-        train_command(w.args(run_dir, plan=plan, ckpt_mode=a.ckpt_mode)),
-        run_dir=run_dir,
-        cfg=cfg,
-    )
-    return res.returncode, res.output
-
-
-def _run_unbroken(
-    w: Workload,
-    run_dir: Path,
-    plan: Path | None,
-    a: argparse.Namespace,
-    *,
-    inprocess: bool,
-    ckpt_mode: str,
-) -> tuple[int, str]:
-    """The job under ``unbroken-run``: with in-process restart (every layer) or without it."""
-    run_dir.mkdir(parents=True, exist_ok=True)
-    script = w.args(run_dir, plan=plan, ckpt_mode=ckpt_mode, snapshots=True)
-    if inprocess:
-        script += [
-            "--soft-timeout-s",
-            str(a.hang_timeout_s),
-            "--hard-timeout-s",
-            str(a.hang_timeout_s * 3),
-            # The plan's faults are injected, not a flaky rank: in-process restart keeps them
-            # (the hand-over to the launcher has its own tests).
-            "--max-rank-faults",
-            str(_plan_size(plan) + 1),
-        ]
-    else:
-        script.append("--no-inprocess")
-    cmd = [
-        sys.executable,
-        "-m",
-        "unbroken.launcher.cli",
-        "--standalone",
-        "--nproc-per-node",
-        str(w.nproc),
-        "--max-restarts",
-        str(a.max_restarts),
-        "--monitor-interval",
-        "0.05",
-        "--ft-run-dir",
-        str(run_dir),
-        # A node-loss relaunches this command (a replaced pod): it continues the same run.
-        "--ft-resume",
-        # The launcher's hang timeout sits above in-process restart's hard timeout.
-        "--ft-steady-timeout-s",
-        str(a.hang_timeout_s * (4 if inprocess else 1)),
-        "--ft-heartbeat-interval-s",
-        str(min(0.5, a.hang_timeout_s / 5)),
-        # The warm pool imports the training script's modules too: a restarted worker starts
-        # training at once instead of importing (0.1 s idle, 0.25 s on busy cores).
-        "--ft-preload",
-        ",".join((*DEFAULT_PRELOAD, "unbroken.workload.train")),
-        "-m",
-        "unbroken.workload.train",
-        *script,
-    ]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    shown = ""
-
-    def progress(line: str) -> None:  # while it runs: steps, faults, restarts
-        nonlocal shown
-        if _PROGRESS.search(line):
-            msg = line.rstrip().split("] ", 1)[-1][:110]  # drop the logging prefix
-            if msg != shown:  # every rank logs a restart: show it once
-                print(f"   {line[11:19]} {msg}", flush=True)
-                shown = msg
-
-    # Kubernetes' part: relaunch the node's launcher when a node-loss took it.
-    node = OrchestratorConfig(
-        nproc=1,
-        restart_delay_s=a.pod_restart_s,
-        max_restarts=a.max_restarts,
-        job_timeout_s=a.job_timeout_s,
-    )
-    res = run_node(cmd, run_dir=run_dir, cfg=node, env=env, on_line=progress)
-    return res.returncode, res.output
-
-
-def _plan_size(plan: Path | None) -> int:
-    """How many faults the plan fires (any world size: 0 without a plan)."""
-    if plan is None:
-        return 0
-    return len(load_plan(plan, world_size=1 << 16).faults)
-
-
-_PROGRESS = re.compile(r"step \d+ loss|injecting fault|restarting \(|in-process restart|giving up")
-
-
-def _unbroken(*, inprocess: bool, mode: str) -> Runner:
-    """A runner under unbroken-run: every layer (``inprocess``) or the launcher alone."""
-    return functools.partial(_run_unbroken, inprocess=inprocess, ckpt_mode=mode)
-
-
-RUNNERS: dict[str, tuple[str, Runner]] = {
-    "clean": ("no faults", _run_clean),
-    "inprocess": (
-        "in-process restart, launcher behind it, async ckpt",
-        _unbroken(inprocess=True, mode="async"),
-    ),
-    "inprocess-sync": (
-        "in-process restart, launcher behind it, sync ckpt",
-        _unbroken(inprocess=True, mode="sync"),
-    ),
-    "launcher": (
-        "unbroken-run restarts only, async ckpt",
-        _unbroken(inprocess=False, mode="async"),
-    ),
-    # Fault-free twins: the same runs without the plan, the references of the gaps.
-    "inprocess" + NO_FAULTS: (
-        "the inprocess configuration, no faults",
-        _unbroken(inprocess=True, mode="async"),
-    ),
-    "launcher" + NO_FAULTS: (
-        "the launcher configuration, no faults",
-        _unbroken(inprocess=False, mode="async"),
-    ),
-    "launcher-sync": (
-        "unbroken-run restarts only, sync ckpt",
-        _unbroken(inprocess=False, mode="sync"),
-    ),
-    "baseline": ("orchestrator only (emulated Kubernetes restart)", _run_baseline),
-}
+_HASH = re.compile(r"final_state_sha256=([0-9a-f]{64})")
 
 
 def default_plan(steps: int, count: int, seed: int, kinds: list[str]) -> dict[str, Any]:
@@ -269,71 +77,99 @@ def default_plan(steps: int, count: int, seed: int, kinds: list[str]) -> dict[st
     return {"random": {"count": count, "kinds": kinds, "seed": seed, "steps": [lo, hi]}}
 
 
-def run_bench(a: argparse.Namespace) -> list[ConfigResult]:
-    """Run every requested configuration; returns their results (clean first)."""
+def _target(a: argparse.Namespace, w: Workload) -> Target:
+    """The reference script with the workload's flags, or the command after ``--`` (the
+    workload flags are refused then: the command carries its own)."""
+    if not a.command:
+        return Target(argv=("-m", REFERENCE_MODULE, *w.args()), reference=True)
+    given = [f"--{k.replace('_', '-')}" for k in _REFERENCE_FLAGS if getattr(a, k) is not None]
+    target = Target.user(a.command)
+    if given and not target.reference:
+        raise ValueError(
+            f"{', '.join(given)} set(s) the reference script's workload; a command after -- "
+            "takes its own arguments instead: drop them (or put them after the command)"
+        )
+    return target
+
+
+def _schedule(a: argparse.Namespace, configs: list[str], target: Target) -> list[tuple[str, int]]:
+    """Every run, in order: clean first (twice for a user's command when no other fault-free
+    run would tell whether it is deterministic), then every other configuration, round-robin
+    over ``--repeat`` rounds."""
+    others = [c for c in configs if c != "clean"]
+    references = 1 + sum(1 for c in others if not CONFIGS[c].faulted) * a.repeat
+    cleans = [("clean", 1)] + ([("clean", 2)] if references < 2 and not target.reference else [])
+    return cleans + [(c, k) for k in range(1, a.repeat + 1) for c in others]
+
+
+def _write_plan(a: argparse.Namespace, out_dir: Path, steps: int) -> Path:
+    """The one explicit schedule every configuration gets, expanded once for this world."""
     import yaml
 
-    out_dir = Path(a.out).resolve()
-    out_dir.mkdir(parents=True, exist_ok=True)
-    w = Workload(
-        model=a.model,
-        steps=a.steps,
-        batch_size=a.batch_size,
-        seq_len=a.seq_len,
-        nproc=a.nproc,
-        ckpt_every=a.ckpt_every,
-        snapshot_every=a.snapshot_every,
-        pg_timeout_s=a.pg_timeout_s,
-    )
-    plan = out_dir / "plan.yaml"
     if a.plan:
         spec = yaml.safe_load(Path(a.plan).read_text())
     else:
-        spec = default_plan(a.steps, a.faults, a.seed, a.kinds)
-    # Every configuration gets the same explicit schedule, expanded once for this world.
+        spec = default_plan(steps, a.faults, a.seed, a.kinds)
     expanded = parse_plan(spec, source=str(a.plan or "seeded schedule"), world_size=a.nproc)
+    plan = out_dir / "plan.yaml"
     plan.write_text(
-        yaml.safe_dump(
-            {
-                "faults": [
-                    {"step": f.step, "rank": f.rank, "kind": f.kind, **dict(f.params)}
-                    for f in expanded.faults
-                ]
-            },
-            default_flow_style=None,
-        )
+        yaml.safe_dump({"faults": [f.to_entry() for f in expanded.faults]}, sort_keys=False)
     )
     print(f"fault plan ({plan}):")
     for f in expanded.faults:
         print(f"  {f.describe()}")
+    return plan
+
+
+def run_bench(a: argparse.Namespace) -> list[ConfigResult]:
+    """Run every requested configuration; returns their results (clean first)."""
+    out_dir = Path(a.out).resolve()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    w = Workload(
+        model=a.model or "tiny",
+        steps=a.steps if a.steps is not None else 200,
+        batch_size=a.batch_size or 8,
+        seq_len=a.seq_len or 64,
+        nproc=a.nproc,
+        ckpt_every=a.ckpt_every if a.ckpt_every is not None else 25,
+        pg_timeout_s=a.pg_timeout_s,
+    )
+    target = _target(a, w)
     configs = ["clean", *[c for c in a.configs if c != "clean"]]
-    unknown = [c for c in configs if c not in RUNNERS]
+    unknown = [c for c in configs if c not in CONFIGS]
     if unknown:
-        raise ValueError(f"unknown configurations {unknown}; available: {sorted(RUNNERS)}")
+        raise ValueError(f"unknown configurations {unknown}; available: {sorted(CONFIGS)}")
+    if not target.reference and not target.source_mentions_unbroken():
+        target = target.plain()
+    print(f"target: {target.name}", flush=True)
     results: list[ConfigResult] = []
-    clean_hash = None
-    # Round-robin: every configuration once, then again (clean, the reference, runs once).
-    rounds = [("clean", 1)] + [
-        (c, k) for k in range(1, a.repeat + 1) for c in configs if c != "clean"
-    ]
-    for name, k in rounds:
-        label, runner = RUNNERS[name]
-        res = ConfigResult(name, label, 0, run=k)
-        run_dir = out_dir / res.name
-        print(f"== {res.name}: {label}", flush=True)
+    plan: Path | None = None
+    skipped: dict[str, str] = {}
+    for name, k in _schedule(a, configs, target):
+        cfg = CONFIGS[name]
+        if target.observed and cfg.needs_adoption():
+            skipped.setdefault(name, cfg.needs_adoption() or "")
+            continue
+        if cfg.faulted and plan is None:
+            plan = _write_plan(a, out_dir, _steps_of(results) or w.steps)
+        res = ConfigResult(name, cfg.label, 0, run=k)
+        print(f"== {res.name}: {cfg.label}", flush=True)
         t = time.monotonic()
-        faulted = name != "clean" and not name.endswith(NO_FAULTS)
-        code, output = runner(w, run_dir, plan if faulted else None, a)
+        run_dir = out_dir / res.name
+        code, output = run_config(
+            cfg, target=target, w=w, run_dir=run_dir, plan=plan if cfg.faulted else None, a=a
+        )
+        if name == "clean" and k == 1 and not target.reference:
+            seen = adopted(run_dir)
+            if seen is False or (seen is None and not target.observed):
+                # Not adopted after all: run it again as the plain script it is.
+                target = target.plain()
+                print(f"   {target.argv[0]} does not call unbroken.run: run as a plain script")
+                shutil.rmtree(run_dir)
+                code, output = run_config(cfg, target=target, w=w, run_dir=run_dir, plan=None, a=a)
         (out_dir / f"{res.name}.log").write_text(output)
         res.returncode = code
-        final = run_dir / "final.json"
-        if final.exists():
-            res.final_state_sha256 = json.loads(final.read_text())["final_state_sha256"]
-        if name == "clean":
-            clean_hash = res.final_state_sha256
-        res.matches_clean = res.final_state_sha256 is not None and res.final_state_sha256 == (
-            clean_hash
-        )
+        res.final_state_sha256 = _final_hash(run_dir, output)
         try:
             events = read_events(run_dir)
             report = goodput.compute(events)
@@ -346,8 +182,57 @@ def run_bench(a: argparse.Namespace) -> list[ConfigResult]:
             flush=True,
         )
         results.append(res)
+    for name, why in skipped.items():
+        print(f"not run: {name}: {why}")
+    _judge(results, out_dir)
     set_gaps(results)
     return results
+
+
+def _steps_of(results: list[ConfigResult]) -> int | None:
+    """Steps the first fault-free run completed (where a user's command places its faults)."""
+    for r in results:
+        if r.config == "clean" and r.figures.get("steps_completed"):
+            return int(r.figures["steps_completed"])
+    return None
+
+
+def _final_hash(run_dir: Path, output: str) -> str | None:
+    """The run's ``final_state_sha256``: its ``final.json`` (the reference script's), else the
+    last one it printed."""
+    final = run_dir / "final.json"
+    if final.exists():
+        return str(json.loads(final.read_text())["final_state_sha256"])
+    found = _HASH.findall(output)
+    return found[-1] if found else None
+
+
+def _judge(results: list[ConfigResult], out_dir: Path) -> None:
+    """Each run against the fault-free runs (``judge``); says how they were judged."""
+    refs = [r for r in results if not CONFIGS[r.config].faulted]
+    ref_hashes = [r.final_state_sha256 for r in refs]
+    agree = references_agree(ref_hashes)
+    curves = [losses(out_dir / r.name) for r in refs]
+    if agree is False:
+        distinct = len({h for h in ref_hashes if h})
+        print(
+            f"\nNOT DETERMINISTIC: the {len(refs)} fault-free runs ended with {distinct} "
+            "different final hashes, so a hash says nothing about a recovery; every run is "
+            "judged by its loss curve against the fault-free runs' spread instead"
+        )
+    elif agree:
+        print(f"\ndeterministic: the {len(refs)} fault-free runs ended with the same hash")
+    for r in results:
+        verdict = judge(
+            r.final_state_sha256,
+            losses(out_dir / r.name),
+            reference_hashes=ref_hashes,
+            reference_curves=curves,
+        )
+        r.verdict = verdict.text()
+        r.judged_by = verdict.by
+        r.loss_within = verdict.within
+        r.matches_clean = verdict.ok
 
 
 def _at_least_one(text: str) -> int:
@@ -364,22 +249,33 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--configs",
         nargs="+",
-        default=sorted(RUNNERS),
+        default=sorted(CONFIGS),
         help="configurations to run (clean always runs first)",
     )
-    p.add_argument("--model", default="tiny")
-    p.add_argument("--steps", type=int, default=200)
-    p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--seq-len", type=int, default=64)
-    p.add_argument("--nproc", type=int, default=2)
-    p.add_argument("--ckpt-every", type=int, default=25)
-    p.add_argument("--ckpt-mode", choices=["async", "sync"], default="async")
+    p.add_argument("--model", default=None, help="reference script: model size (tiny)")
+    p.add_argument("--steps", type=int, default=None, help="reference script: steps (200)")
+    p.add_argument("--batch-size", type=int, default=None, help="reference script: per rank (8)")
+    p.add_argument("--seq-len", type=int, default=None, help="reference script: tokens (64)")
+    p.add_argument("--nproc", type=int, default=2, help="ranks")
+    p.add_argument(
+        "--ckpt-every",
+        type=int,
+        default=None,
+        help="reference script: steps between durable checkpoints (25; 0: none)",
+    )
+    p.add_argument(
+        "--ckpt-mode",
+        choices=["async", "sync"],
+        default="async",
+        help="the baseline's checkpoint mode",
+    )
     p.add_argument(
         "--snapshot-every",
         type=int,
-        default=1,
-        help="memory-only snapshots every N steps in the unbroken configurations (0: none; the "
-        "clean and baseline runs never snapshot)",
+        default=None,
+        help="memory-only snapshots every N steps in the unbroken configurations "
+        "(UNBROKEN_SNAPSHOT_EVERY; 0: none; default: 1 for the reference script, the "
+        "script's own for a command; the clean and baseline runs keep no memory tier)",
     )
     p.add_argument("--faults", type=int, default=5, help="faults in the seeded schedule")
     p.add_argument("--kinds", nargs="+", default=["exception", "sigkill", "hang"])
@@ -419,6 +315,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--html", metavar="PATH", help="write the HTML report (default: OUT/report.html)"
     )
+    p.add_argument(
+        "command",
+        nargs="*",
+        metavar="-- COMMAND",
+        help="a training script (SCRIPT.py [ARGS] or -m MODULE [ARGS]) to benchmark instead "
+        "of the reference script, after --; one that calls unbroken.run gets every "
+        "configuration, a plain torchrun script those that apply to it",
+    )
 
 
 def _ingest(a: argparse.Namespace, results: list[ConfigResult]) -> None:
@@ -453,8 +357,12 @@ def main(a: argparse.Namespace) -> int:
     if views:
         html_path.write_text(render(views, title="unbroken recovery benchmark"))
         print(f"\nHTML report: {html_path.resolve()}")
-    bad = [r.name for r in results if r.returncode != 0 or not r.matches_clean]
+    bad = [r.name for r in results if r.returncode != 0 or r.matches_clean is False]
     if bad:
-        print(f"\nFAILED: {bad} did not finish with the clean run's state", file=sys.stderr)
+        print(
+            f"\nFAILED: {bad} did not finish, or ended away from the fault-free runs "
+            "(their hash, or their loss curve's spread)",
+            file=sys.stderr,
+        )
         return 1
     return 0

@@ -42,6 +42,13 @@ class ConfigResult:
     """Its training goodput below the reference's, a share (``set_gaps``)."""
     run: int = 1
     """Which round of ``--repeat`` this is (1 for the first)."""
+    verdict: str = ""
+    """The correctness column: "yes"/"NO" (by hash), "loss 98%"/"LOSS 60%" (by loss curve),
+    "unchecked" (``unbroken.bench.judge``)."""
+    judged_by: str | None = None
+    """"hash", "loss" or "none"."""
+    loss_within: float | None = None
+    """By loss: the share of steps within the fault-free runs' spread."""
 
     @property
     def name(self) -> str:
@@ -72,6 +79,8 @@ class ConfigResult:
             "goodput_gap": self.gap,
             "final_state_sha256": self.final_state_sha256,
             "matches_clean": self.matches_clean,
+            "judged_by": self.judged_by,
+            "loss_within": self.loss_within,
         }
 
 
@@ -113,13 +122,19 @@ def _num(xs: list[Any]) -> str:
     return f"{statistics.median(vals):.2f}/{max(vals):.2f}"
 
 
+def _verdict(r: ConfigResult) -> str:
+    if r.verdict:
+        return r.verdict
+    return "yes" if r.matches_clean else "NO"
+
+
 def format_table(results: list[ConfigResult]) -> str:
     w = max([12, *(len(r.name) for r in results)])
     head = (
         f"{'config':<{w}} {'train goodput':>13} {'gap':>6} {'infra goodput':>13} {'avail':>6} "
         f"{'recovery s p50/max':>19} "
         f"{'steps lost':>12} {'detect s p50':>12} {'ckpt eff':>9} {'faults':>7} {'ckpt':>6} "
-        f"{'step ms':>8} {'ETTR':>7} {'wall s':>8} {'= clean':>8}"
+        f"{'step ms':>8} {'ETTR':>7} {'wall s':>8} {'= clean':>9}"
     )
     lines = [head, "-" * len(head)]
     for r in results:
@@ -134,7 +149,7 @@ def format_table(results: list[ConfigResult]) -> str:
             f"{pct(row['checkpoint_efficiency']):>9} {pct(row['fault_cost']):>7} "
             f"{pct(row['checkpoint_cost']):>6} {_ms(row['step_time_s_median']):>8} "
             f"{pct(row['ettr']):>7} "
-            f"{(row['wall_s'] or 0):>8.1f} {('yes' if r.matches_clean else 'NO'):>8}"
+            f"{(row['wall_s'] or 0):>8.1f} {_verdict(r):>9}"
         )
     refs = sorted({f"{r.name} against {r.reference}" for r in results if r.reference})
     if refs:

@@ -14,7 +14,7 @@ peers ``unbroken.run`` offers to a Checkpointer).
 Imports torch. Names are loaded lazily so that the writer process (``python -m
 unbroken.checkpoint.writer``) arms its parent-death signal before it imports torch; ``layout``
 and ``hooks`` never import torch (fault injection uses them). Imports of ours:
-``unbroken.errors``, ``unbroken.log``, ``unbroken.ledger``, ``unbroken.mask``.
+``unbroken.errors``, ``unbroken.env``, ``unbroken.log``, ``unbroken.ledger``, ``unbroken.mask``.
 """
 
 from __future__ import annotations

@@ -25,6 +25,10 @@ next call. ``snapshot_every`` stages memory-only snapshots (``snapshot``) betwee
 saves of ``every_steps``; with ``memory_keeper`` (set by ``unbroken-run``) they outlive the
 process.
 
+The environment's overrides win over the arguments (``config.overridden``). Phases
+(``unbroken.ledger.phases``): ``restore``, ``save`` (durable), ``persist`` (handed to the
+writer), ``shutdown`` (``close``, unless the script named one already).
+
 The parts: ``staging`` (the arena and the copy into it), ``inflight`` (the save in flight,
 its writer process, its outcome), ``restore`` and ``memory`` (disk and memory tiers),
 ``keeper`` (the node agent's hold on the arena).
@@ -32,6 +36,7 @@ its writer process, its outcome), ``restore`` and ``memory`` (disk and memory ti
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import logging
@@ -47,13 +52,14 @@ from typing import Any
 import torch.distributed as dist
 
 from unbroken.checkpoint import layout, node, rescue, tiers
-from unbroken.checkpoint.config import CheckpointConfig, CheckpointError
-from unbroken.checkpoint.hooks import WriterHooks
+from unbroken.checkpoint.adaptive import AdaptiveSaves
+from unbroken.checkpoint.config import CheckpointConfig, CheckpointError, overridden
+from unbroken.checkpoint.hooks import WriterHooks, offered
 from unbroken.checkpoint.inflight import CheckpointStats, Inflight
 from unbroken.checkpoint.resolve import ResolveCache, plan_args, resolve_for_save
 from unbroken.checkpoint.restore import restore_recorded
 from unbroken.checkpoint.staging import fill, process_memory
-from unbroken.ledger import NULL, Recorder, owner
+from unbroken.ledger import NULL, Recorder, owner, phases
 from unbroken.ledger import events as ev
 from unbroken.ledger.active import current as active_ledger
 from unbroken.mask import masked
@@ -78,10 +84,6 @@ def _world() -> tuple[int, int]:
     return 0, 1
 
 
-def _nothing() -> None:
-    pass
-
-
 def _log_failed(step: int, e: Exception) -> None:
     logger.warning("snapshot of step %d not kept in memory: %s", step, e)
 
@@ -90,16 +92,14 @@ class Checkpointer:
     """Saves and restores a training state under ``directory``; see the module docstring.
 
     ``fields`` override ``config`` (CheckpointConfig): ``every_steps``, ``keep``, ``mode``,
-    ``on_busy``, ``overlap``, ``persist_timeout_s``, ``allow_foreign``, ... Rank and world
-    size come from the default process group when one is initialized. ``run`` names the job
-    that owns the directory and writes its checkpoints (None: the ledger's run; without one,
-    a single process is its own job and the ranks of a process group share an unnamed one,
-    whose checkpoints any run may restore). ``ledger`` records every save and load
-    (None: the active ledger of ``unbroken.run``, else nothing). Without ``config``, the memory
-    keeper and peers that ``unbroken.run`` offers under ``unbroken-run`` are filled in unless
-    given (``node``). ``hooks`` go to the writer process (fault injection and
-    tests, see ``unbroken.checkpoint.hooks``; None: none). Use as a context manager or call
-    ``close()``.
+    ``on_busy``, ``overlap``, ... Rank and world size come from the default process group.
+    ``run`` names the job that owns the directory (None: the ledger's run; without one, a
+    single process is its own job and the ranks of a group share an unnamed one, whose
+    checkpoints any run may restore). ``ledger`` records every save and load (None: the
+    active ledger of ``unbroken.run``). Without ``config``, the memory keeper and peers that
+    ``unbroken.run`` offers are filled in unless given (``node``). ``hooks`` go to the writer
+    process (``unbroken.checkpoint.hooks``; None: those ``unbroken.run`` offers, if any).
+    Use as a context manager or call ``close()``.
     """
 
     def __init__(
@@ -114,7 +114,8 @@ class Checkpointer:
     ) -> None:
         if config is None:  # the node's memory keeper and peers, under ``unbroken.run``
             fields = {**node.current().fields(fields), **fields}
-        self.config = dataclasses.replace(config or CheckpointConfig(), **fields)
+        given = dataclasses.replace(config or CheckpointConfig(), **fields)
+        self.config = overridden(given, node.job().overrides)
         self.root = Path(directory).resolve()
         self.rank, self.world_size = _world()
         active = active_ledger() if ledger is None else ledger
@@ -125,7 +126,7 @@ class Checkpointer:
         job = self.run or (
             f"process {socket.gethostname()}:{os.getpid()}" if self.world_size == 1 else "unnamed"
         )
-        self._hooks = hooks
+        self._hooks = hooks if hooks is not None else offered(self.root)  # the fault plan's
         self._stats = CheckpointStats()
         self._inflight = Inflight(
             root=self.root,
@@ -146,6 +147,7 @@ class Checkpointer:
         )
         self._adopted = self._staging.arena if self._adopted_from else None
         self._persisting_region: int | None = None
+        self._adaptive = AdaptiveSaves.of(self.root, self.config, self._ledger, self.rank)
         if self.config.eager_writer:
             self._inflight.start_writer(self._hooks)
         _created.add(self)
@@ -154,8 +156,13 @@ class Checkpointer:
     def maybe_save(self, step: int, state: Mapping[str, Any]) -> bool:
         """``save`` when ``step`` is due (after every ``every_steps`` completed steps), else
         ``snapshot`` when a snapshot is due (``snapshot_every``); True when either staged."""
-        if self.config.due(step):
-            return self.save(step, state)
+        adaptive = self._adaptive
+        if self.config.due(step) if adaptive is None else adaptive.due(step, self._stats):
+            t0 = time.time()
+            staged = self.save(step, state)
+            if adaptive is not None:
+                adaptive.saved(step, blocking_s=time.time() - t0, stats=self._stats)
+            return staged
         if self.config.snapshot_due(step):
             return self.snapshot(step, state)
         self.note(step, state)
@@ -180,8 +187,7 @@ class Checkpointer:
         from a fault snapshots it from the live state if unchanged (``rescue``)."""
         if not (self.config.memory_tier and self.config.rescue) or self._closed:
             return False
-        t0 = time.time()
-        o, w = self.config.overlap, self.world_size
+        t0, o, w = time.time(), self.config.overlap, self.world_size
         args = plan_args(state, rank=self.rank, world_size=w, overlap=o, stage_all=True)
         if not self._notes.take(step, state, self._cache.plan, args):
             return False  # refused at once (before the first save, a model with buffers)
@@ -189,6 +195,10 @@ class Checkpointer:
         return True
 
     def _stage(self, step: int, state: Mapping[str, Any], *, durable: bool) -> bool:
+        with phases.region("save") if durable else contextlib.nullcontext():
+            return self._stage_now(step, state, durable=durable)
+
+    def _stage_now(self, step: int, state: Mapping[str, Any], *, durable: bool) -> bool:
         t0 = time.time()
         self._check()
         if step == self._last_step:
@@ -253,7 +263,7 @@ class Checkpointer:
                 self._inflight.staging_failed, inflight
             )
         else:
-            done, failed = _nothing, functools.partial(_log_failed, step)
+            done, failed = (lambda: None), functools.partial(_log_failed, step)
         if later_src or (sealing and self.config.overlap):
             staging.copy_later(
                 later_src,
@@ -275,11 +285,12 @@ class Checkpointer:
                 done()
         t3 = time.time()
         nbytes = sum(i.nbytes for i in resolved.items)
+        self._stats.staged_bytes = nbytes
         if durable:
             self._stats.saves += 1
-        self._stats.staged_bytes = nbytes
-        if durable and self.config.mode == "sync":
-            self.wait()
+            phases.entered("persist")  # handed to the writer (or on its way to it)
+            if self.config.mode == "sync":
+                self.wait()
         end = time.time()
         self._stats.stall_s.append(end - t0)
         self._stats.blocking_s += end - t0
@@ -334,6 +345,11 @@ class Checkpointer:
         Interrupted while waiting (a restart interrupt, Ctrl-C): ``abort`` instead."""
         if self._closed:
             return
+        named = "shutdown" in phases.active()
+        with contextlib.nullcontext() if named else phases.region("shutdown"):
+            self._close()
+
+    def _close(self) -> None:
         try:
             if not self._inflight.fatal:
                 self.wait()
@@ -356,61 +372,44 @@ class Checkpointer:
         ledger's next step interval starts when it returns (a restore is no part of a step)."""
         if self._closed:
             raise CheckpointError("restore() on a closed Checkpointer")
+        with phases.region("restore"):
+            return self._restore(state)
+
+    def _restore(self, state: Mapping[str, Any]) -> int | None:
         t0 = time.time()
-        source = self._adopted_from
-        timings: dict[str, float] = {}
-        step, held, why = self._restore_from_memory(state, timings)
-        if step is not None:
-            self._ledger.interval(
-                ev.CKPT_LOAD,
-                begin=t0,
-                step=step,
-                tier="peer" if source == "peer" else "memory",
-                path=None,
-                source=source,
-                memory=held,
-                why=why,
-                **timings,
-            )
-            self._ledger.mark()
-            self._last_step = step
-            return step
-        self._staging.retain(None)  # what memory held is of another timeline now
-        self._last_step = restore_recorded(
-            state,
-            root=self.root,
-            rank=self.rank,
-            config=self.config,
-            run=self.run,
-            ledger=self._ledger,
-            begin=t0,
-            memory=held,
-            why=why,
-        )
-        return self._last_step
-
-    def resume(self, state: Mapping[str, Any]) -> int:
-        """``restore(state)``, then the step to continue from: 0 when there was no checkpoint,
-        else the restored step + 1 (``for step in range(ckpt.resume(state), steps)``)."""
-        step = self.restore(state)
-        return 0 if step is None else step + 1
-
-    def _restore_from_memory(
-        self, state: Mapping[str, Any], timings: dict[str, float]
-    ) -> tuple[int | None, list[Any], str | None]:
-        """The memory tier (see ``tiers.from_memory``)."""
         arena, self._adopted = self._adopted, None
-        return tiers.from_memory(
+        step, held, why = tiers.restore_recorded(
             state,
             arena,
             staging=self._staging,
             root=self.root,
             rank=self.rank,
             world_size=self.world_size,
-            verify=self._adopted_from != "process",
-            timings=timings,
-            untrusted=self._adopted_from == "peer",
+            source=self._adopted_from,
+            ledger=self._ledger,
+            begin=t0,
         )
+        if step is None:
+            self._staging.retain(None)  # what memory held is of another timeline now
+            step = restore_recorded(
+                state,
+                root=self.root,
+                rank=self.rank,
+                config=self.config,
+                run=self.run,
+                ledger=self._ledger,
+                begin=t0,
+                memory=held,
+                why=why,
+            )
+        self._last_step = step
+        return step
+
+    def resume(self, state: Mapping[str, Any]) -> int:
+        """``restore(state)``, then the step to continue from: 0 when there was no checkpoint,
+        else the restored step + 1 (``for step in range(ckpt.resume(state), steps)``)."""
+        step = self.restore(state)
+        return 0 if step is None else step + 1
 
     def latest(self) -> int | None:
         """The newest committed step (its files are not checked), or None."""

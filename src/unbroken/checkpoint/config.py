@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 from dataclasses import dataclass
-from typing import Literal, get_args
+from typing import Any, Literal, get_args
 
+from unbroken.env import Overrides
 from unbroken.errors import UnbrokenError
+
+logger = logging.getLogger(__name__)
 
 Mode = Literal["async", "sync"]
 OnBusy = Literal["skip", "wait"]
@@ -93,6 +98,16 @@ class CheckpointConfig:
     rank's newest snapshot (``unbroken.checkpoint.peers``); (): no peer tier."""
     peer_index: int = -1
     """This node's position in ``peers`` (its group rank); snapshots go to the next one."""
+    adaptive: bool = False
+    """``maybe_save`` picks the durable interval itself (Young/Daly from each save's measured
+    cost and the failure rate: ``unbroken.checkpoint.adaptive``), starting at ``every_steps``.
+    Off by default: the failure rate is only the prior ``mtbf_prior_s`` until faults are seen."""
+    adaptive_min_steps: int = 1
+    """With ``adaptive``: never save more often than every this many steps."""
+    adaptive_max_steps: int = 1000
+    """With ``adaptive``: never save less often than every this many steps."""
+    mtbf_prior_s: float = 3600.0
+    """With ``adaptive``: the mean time between failures assumed before any was seen."""
     verify: bool = True
     """``restore`` checks every file's checksum before loading."""
     allow_foreign: bool = False
@@ -146,6 +161,16 @@ class CheckpointConfig:
             )
         for peer in self.peers:
             split_peer(peer)
+        if self.adaptive and not (
+            1 <= self.adaptive_min_steps <= self.every_steps <= self.adaptive_max_steps
+        ):
+            raise ValueError(
+                "adaptive=True needs 1 <= adaptive_min_steps <= every_steps (the starting "
+                f"interval) <= adaptive_max_steps, got {self.adaptive_min_steps}, "
+                f"{self.every_steps}, {self.adaptive_max_steps}"
+            )
+        if not self.mtbf_prior_s > 0:
+            raise ValueError(f"mtbf_prior_s must be > 0, got {self.mtbf_prior_s}")
         if self.throttle_mbps < 0:
             raise ValueError(f"throttle_mbps must be >= 0 (0: no cap), got {self.throttle_mbps}")
 
@@ -162,3 +187,33 @@ class CheckpointConfig:
     def regions(self) -> int:
         """Regions of the staging arena: ``memory_slots``, or 1 without the memory tier."""
         return self.memory_slots if self.memory_tier else 1
+
+
+def overridden(config: CheckpointConfig, overrides: Overrides) -> CheckpointConfig:
+    """``config`` with the environment's overrides (``unbroken.env.Overrides``:
+    ``UNBROKEN_CKPT_MODE``, ``UNBROKEN_CKPT_EVERY``, ``UNBROKEN_SNAPSHOT_EVERY``,
+    ``UNBROKEN_MEMORY_TIER``, which ``unbroken.run`` reads and offers: ``node.job``) applied:
+    they win over a script's arguments, so a benchmark runs
+    it under each configuration unedited. ValueError when they contradict each other."""
+    fields: dict[str, Any] = {}
+    if overrides.ckpt_mode is not None:
+        fields["mode"] = overrides.ckpt_mode
+    if overrides.ckpt_every is not None:
+        fields["every_steps"] = overrides.ckpt_every
+    if overrides.memory_tier is False:
+        if overrides.snapshot_every:
+            raise ValueError(
+                "UNBROKEN_SNAPSHOT_EVERY needs the memory tier, but UNBROKEN_MEMORY_TIER=0; "
+                "unset one of them"
+            )
+        fields.update(memory_tier=False, snapshot_every=0, memory_slots=1)
+    elif overrides.snapshot_every is not None:
+        fields["snapshot_every"] = overrides.snapshot_every
+        if overrides.snapshot_every:
+            fields["memory_tier"] = True
+            fields["memory_slots"] = max(2, config.memory_slots)
+    changed = {k: v for k, v in fields.items() if getattr(config, k) != v}
+    if not changed:
+        return config
+    logger.info("the environment overrides the checkpoint configuration: %s", changed)
+    return dataclasses.replace(config, **changed)

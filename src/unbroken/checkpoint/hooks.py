@@ -12,6 +12,9 @@ calls it:
 - ``at`` at each point of the commit protocol (``POINTS``), with the step being saved: a
   test may stop the writer there (and a test only: production code passes no hooks).
 
+Inside ``unbroken.run`` a Checkpointer built without ``hooks`` takes those it is offered
+(``offer``/``offered``): the fault plan's, when it holds a storage fault.
+
 A hooks object must be picklable and importable by the writer process (a module on
 ``sys.path``, not ``__main__``), cheap, and must not raise: an exception fails that save.
 Nothing here imports torch.
@@ -19,6 +22,8 @@ Nothing here imports torch.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Protocol
 
@@ -51,3 +56,26 @@ class NoHooks:
 
 
 NO_HOOKS: WriterHooks = NoHooks()
+
+
+HooksFor = Callable[[Path], "WriterHooks | None"]
+"""What ``unbroken.run`` offers a Checkpointer built without ``hooks``: the hooks its writer
+needs for a checkpoint root (the fault plan's; None: none), told the root as it is made."""
+
+_hooks_for: HooksFor | None = None
+
+
+def offered(root: Path) -> WriterHooks | None:
+    """The hooks ``unbroken.run`` offers a Checkpointer under ``root`` (None outside it)."""
+    return None if _hooks_for is None else _hooks_for(root)
+
+
+@contextmanager
+def offer(hooks_for: HooksFor) -> Iterator[None]:
+    """Offer ``hooks_for(root)`` to the Checkpointers built in the enclosed block (nests)."""
+    global _hooks_for
+    previous, _hooks_for = _hooks_for, hooks_for
+    try:
+        yield
+    finally:
+        _hooks_for = previous

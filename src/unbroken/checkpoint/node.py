@@ -7,7 +7,8 @@ provides them here (``provide``) while the training function runs, so that a use
 node without naming them, as it gets the active ledger. A Checkpointer built with an explicit
 ``config`` gets exactly that config; fields passed as keywords win over what the node offers.
 Outside ``unbroken.run`` (or under another launcher) the node offers nothing. One per process;
-set from the main thread.
+set from the main thread. ``unbroken.run`` also offers what it knows of the job (``JobOffer``:
+the environment's overrides, which it reads, and whether the process was relaunched).
 
 ``unbroken.run`` also says how a Checkpointer waits for a commit (``waiting``: in ``close``,
 ``wait``, a sync save, a save waiting for the last): a region without progress for a reason
@@ -19,8 +20,10 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import AbstractContextManager, contextmanager, nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
+
+from unbroken.env import Overrides
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -62,6 +65,37 @@ def provide(tiers: NodeTiers) -> Iterator[None]:
         yield
     finally:
         _current = previous
+
+
+@dataclass(frozen=True, kw_only=True)
+class JobOffer:
+    """What ``unbroken.run`` tells every Checkpointer of the job it runs (never read from the
+    environment here: the checkpoint package reads none)."""
+
+    overrides: Overrides = field(default_factory=Overrides)
+    """The environment's overrides, which win over a Checkpointer's arguments
+    (``config.overridden``)."""
+    relaunched: bool = False
+    """This process replaces one that failed (a launcher restart)."""
+
+
+_job = JobOffer()
+
+
+def job() -> JobOffer:
+    """What ``unbroken.run`` offers about the job (nothing outside it)."""
+    return _job
+
+
+@contextmanager
+def provide_job(offer: JobOffer) -> Iterator[None]:
+    """Offer ``offer`` to the Checkpointers built in the enclosed block (nests)."""
+    global _job
+    previous, _job = _job, offer
+    try:
+        yield
+    finally:
+        _job = previous
 
 
 Waiting = Callable[[], AbstractContextManager[None]]

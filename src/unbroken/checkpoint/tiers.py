@@ -39,6 +39,8 @@ from unbroken.checkpoint import freshopt, keeper, layout, memory, peers
 from unbroken.checkpoint.arena import Arena
 from unbroken.checkpoint.config import CheckpointConfig
 from unbroken.checkpoint.staging import Staging
+from unbroken.ledger import Recorder
+from unbroken.ledger import events as ev
 
 logger = logging.getLogger(__name__)
 
@@ -211,6 +213,49 @@ def _gather(mine: Any, world_size: int) -> list[Any]:
         dist.all_gather_object(out, mine)
         return out
     return [mine]
+
+
+def restore_recorded(
+    state: Mapping[str, Any],
+    arena: Arena | None,
+    *,
+    staging: Staging,
+    root: Path,
+    rank: int,
+    world_size: int,
+    source: str | None,
+    ledger: Recorder,
+    begin: float,
+) -> tuple[int | None, list[Any], str | None]:
+    """``from_memory`` with the checks ``source`` calls for (an arena another process or a
+    peer wrote is verified; a peer's is untrusted), recorded as a ``ckpt_load`` interval from
+    ``begin`` (tier "memory" or "peer") when memory held the step; same return value."""
+    timings: dict[str, float] = {}
+    step, held, why = from_memory(
+        state,
+        arena,
+        staging=staging,
+        root=root,
+        rank=rank,
+        world_size=world_size,
+        verify=source != "process",
+        timings=timings,
+        untrusted=source == "peer",
+    )
+    if step is not None:
+        ledger.interval(
+            ev.CKPT_LOAD,
+            begin=begin,
+            step=step,
+            tier="peer" if source == "peer" else "memory",
+            path=None,
+            source=source,
+            memory=held,
+            why=why,
+            **timings,
+        )
+        ledger.mark()
+    return step, held, why
 
 
 def from_memory(

@@ -5,6 +5,11 @@ created exclusively (``O_EXCL``) and fsynced with its directory, so a restarted 
 process or a new in-process iteration) sees it and does not fire again, even when the fault
 killed the machine's page cache along with the process.
 
+Phase-targeted faults (``FaultSpec.phase``) fire from ``on_phase``, which ``unbroken.run`` makes
+a listener of ``unbroken.ledger.phases``; their record says ``phase``. The entries into a phase
+that an ``occurrence`` fault counts are kept in ``<run_dir>/faults/phases/r<rank>-<phase>``
+(only for phases such a fault targets), so the count goes on across restarts.
+
 The ``fault_injected`` record is flushed before anything lethal. A kind that changes state
 first (``checkpoint-corruption``: the bytes it flipped; ``node-loss``: who dies) records what
 it did in that record; a kind that ends no process (``slow-storage``) says ``disruptive:
@@ -75,6 +80,16 @@ class FaultInjector:
         """How long a checkpoint-corruption waits for saves in flight to commit first."""
         self.fired_dir = Path(run_dir) / "faults" / "fired"
         self.fired_dir.mkdir(parents=True, exist_ok=True)
+        self.counts_dir = Path(run_dir) / "faults" / "phases"
+        self.last_step: int | None = None
+        """The newest step this process completed (``on_step``)."""
+        self._phased = plan.in_phase(rank)
+
+    def hooks_for(self, root: Path) -> throttle.SlowStorage | None:
+        """A Checkpointer under ``root`` was made: the storage faults act on its directory
+        from now on; returns the writer hooks it needs (``writer_hooks``)."""
+        self.ckpt_dir = Path(root)
+        return self.writer_hooks()
 
     def writer_hooks(self) -> throttle.SlowStorage | None:
         """The checkpoint writer hooks this plan needs (``Checkpointer(hooks=...)``): the
@@ -90,9 +105,40 @@ class FaultInjector:
 
     def on_step(self, step: int) -> None:
         """Call after ``step`` completes. May raise, hang, or end the process."""
+        self.last_step = step
         for spec in self.plan.at(step, self.rank):
             if self._claim(spec):
                 self._fire(spec)
+
+    def on_phase(self, name: str) -> None:
+        """Call on entry into phase ``name`` (a ``phases`` listener). May raise, hang, or end
+        the process; a dictionary lookup when no fault targets the phase."""
+        specs = self._phased.get(name)
+        if not specs:
+            return
+        count = self._count(name) if any(f.occurrence for f in specs) else 0
+        for spec in specs:
+            if spec.occurrence is not None:
+                due = count >= spec.occurrence
+            else:
+                due = spec.step is None or (
+                    self.last_step is not None and self.last_step >= spec.step
+                )
+            if due and self._claim(spec):
+                self._fire(spec)
+
+    def _count(self, name: str) -> int:
+        """One more entry into phase ``name`` on this rank in the run; returns the count."""
+        path = self.counts_dir / f"r{self.rank}-{name}"
+        try:
+            count = int(path.read_text()) + 1
+        except (OSError, ValueError):
+            count = 1
+        self.counts_dir.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}")
+        tmp.write_text(str(count))
+        os.replace(tmp, path)
+        return count
 
     def _claim(self, spec: FaultSpec) -> bool:
         path = self.fired_dir / f"{spec.index}.json"
@@ -103,7 +149,8 @@ class FaultInjector:
         try:
             record = {
                 "index": spec.index,
-                "step": spec.step,
+                "step": spec.step if spec.step is not None else self.last_step,
+                "phase": spec.phase,
                 "rank": spec.rank,
                 "kind": spec.kind,
                 "ts": time.time(),
@@ -134,9 +181,10 @@ class FaultInjector:
         if not spec.disruptive:
             extra["disruptive"] = False
         try:
-            self.sink.emit(
-                ev.FAULT_INJECTED, fault=spec.kind, step=spec.step, index=spec.index, **extra
-            )
+            if spec.phase is not None:
+                extra["phase"] = spec.phase
+            step = spec.step if spec.step is not None else self.last_step
+            self.sink.emit(ev.FAULT_INJECTED, fault=spec.kind, step=step, index=spec.index, **extra)
             self.sink.flush()
         except BaseException:
             if victims is not None:  # its agent is stopped: never leave it so

@@ -16,6 +16,21 @@ their defaults::
       - {step: 40, rank: 1, kind: checkpoint-corruption, target: manifest}
       - {step: 60, rank: 1, kind: node-loss}
 
+An entry with ``phase`` fires on entry into that phase instead of after a step
+(``unbroken.ledger.phases``: unbroken's own ``init``, ``recovery``, ``restore``, ``save``,
+``persist``, ``shutdown``; the user's ``data``, ``validation`` or any name given to
+``RestartContext.phase``), once per run like any fault: at the first entry on its rank after the
+rank completed ``step`` in this process (steps done before a launcher restart do not count:
+the restarted process counts from its first step), or at the ``occurrence``-th entry into the
+phase on that rank in the run (counted across restarts: the way to aim at a restart's
+``restore``, ``init`` or ``recovery``); with neither, at the first entry::
+
+      - {phase: data, step: 12, rank: 0, kind: exception}
+      - {phase: restore, occurrence: 2, rank: 1, kind: sigkill}
+      - {phase: recovery, rank: 0, kind: exception}   # a second fault while one is recovered
+
+Several entries may fire at the same step or phase on several ranks (compound faults).
+
 A seeded random schedule expands deterministically into entries (added to any listed ones)::
 
     random: {count: 5, kinds: [exception, sigkill], seed: 42, steps: [10, 90], ranks: [0, 1]}
@@ -35,6 +50,8 @@ from pathlib import Path
 from typing import Any, Literal, cast, get_args
 
 import yaml
+
+from unbroken.ledger.phases import check_name
 
 FaultKind = Literal[
     "exception",
@@ -183,22 +200,48 @@ class FaultSpec:
 
     index: int
     """Position in the plan; names the fault in the fired record."""
-    step: int
-    """Fires after this step completes on ``rank``."""
+    step: int | None
+    """Fires after this step completes on ``rank`` (with ``phase``: at the phase's first entry
+    once the rank completed it; None only with ``phase``)."""
     rank: int
     """Global rank that suffers the fault."""
     kind: FaultKind
     """One of KINDS."""
     params: Mapping[str, Any] = field(default_factory=dict)
     """Kind-specific parameters (extra keys of the entry)."""
+    phase: str | None = None
+    """Fire on entry into this phase instead of after a step (see the module docstring)."""
+    occurrence: int | None = None
+    """With ``phase``: fire at this entry into the phase on ``rank`` (1: the first), counted
+    over the run; instead of ``step``."""
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise ValueError(
                 f"fault #{self.index}: unknown kind {self.kind!r}; valid kinds: {', '.join(KINDS)}"
             )
-        if self.step < 0:
-            raise ValueError(f"fault #{self.index}: step must be >= 0, got {self.step}")
+        where = f"fault #{self.index}"
+        if self.step is None and self.phase is None:
+            raise ValueError(f"{where}: step is required unless the fault names a phase")
+        if self.step is not None and self.step < 0:
+            raise ValueError(f"{where}: step must be >= 0, got {self.step}")
+        if self.phase is not None:
+            try:
+                check_name(self.phase)
+            except ValueError as e:
+                raise ValueError(f"{where}: {e}") from None
+        if self.occurrence is not None:
+            if self.phase is None:
+                raise ValueError(f"{where}: occurrence needs a phase (the phase entry to fire at)")
+            if self.step is not None:
+                raise ValueError(
+                    f"{where}: give step (after which step) or occurrence (which entry into "
+                    f"phase {self.phase}), not both"
+                )
+            if not (_int(self.occurrence) and self.occurrence >= 1):
+                raise ValueError(
+                    f"{where}: occurrence must be an integer >= 1, got {self.occurrence!r}"
+                )
         if self.rank < 0:
             raise ValueError(f"fault #{self.index}: rank must be >= 0, got {self.rank}")
         _check_params(self.kind, self.params, where=f"fault #{self.index} ({self.kind})")
@@ -234,7 +277,29 @@ class FaultSpec:
         extra = "".join(
             f" {k}={v}" for k, v in sorted(self.params.items(), key=lambda kv: str(kv[0]))
         )
-        return f"#{self.index}: step {self.step}, rank {self.rank}: {self.kind}{extra}"
+        return f"#{self.index}: {self.when()}, rank {self.rank}: {self.kind}{extra}"
+
+    def when(self) -> str:
+        """When it fires, in words: "step 12", "phase data after step 12", "phase restore
+        #2", "phase init"."""
+        if self.phase is None:
+            return f"step {self.step}"
+        if self.occurrence is not None:
+            return f"phase {self.phase} #{self.occurrence}"
+        if self.step is not None:
+            return f"phase {self.phase} after step {self.step}"
+        return f"phase {self.phase}"
+
+    def to_entry(self) -> dict[str, Any]:
+        """The plan entry this fault was read from (a plan of these reads back the same)."""
+        out: dict[str, Any] = {"rank": self.rank, "kind": self.kind}
+        if self.step is not None:
+            out["step"] = self.step
+        if self.phase is not None:
+            out["phase"] = self.phase
+        if self.occurrence is not None:
+            out["occurrence"] = self.occurrence
+        return {**out, **dict(self.params)}
 
 
 @dataclass(frozen=True)
@@ -244,8 +309,16 @@ class FaultPlan:
     faults: tuple[FaultSpec, ...] = ()
 
     def at(self, step: int, rank: int) -> list[FaultSpec]:
-        """Faults planned for ``rank`` after ``step``."""
-        return [f for f in self.faults if f.step == step and f.rank == rank]
+        """Faults planned for ``rank`` after ``step`` (not the phase-targeted ones)."""
+        return [f for f in self.faults if f.step == step and f.rank == rank and f.phase is None]
+
+    def in_phase(self, rank: int) -> dict[str, list[FaultSpec]]:
+        """The phase-targeted faults of ``rank``, by phase."""
+        out: dict[str, list[FaultSpec]] = {}
+        for f in self.faults:
+            if f.phase is not None and f.rank == rank:
+                out.setdefault(f.phase, []).append(f)
+        return out
 
     def check_world(self, world_size: int) -> None:
         """Raise ValueError if a fault targets a rank outside the world."""
@@ -261,7 +334,8 @@ class FaultPlan:
         return len(self.faults)
 
 
-_REQUIRED = ("step", "rank", "kind")
+_REQUIRED = ("rank", "kind")
+_WHEN = ("step", "phase", "occurrence")
 
 
 _RANDOM_KEYS = {"count", "kinds", "seed", "steps", "ranks"}
@@ -341,21 +415,28 @@ def parse_plan(obj: Any, *, source: str = "plan", world_size: int | None = None)
         if not isinstance(entry, Mapping):
             raise ValueError(f"{source}: fault #{i} must be a mapping, got {entry!r:.80}")
         missing = [k for k in _REQUIRED if k not in entry]
+        if "step" not in entry and "phase" not in entry:
+            missing.insert(0, "step")
         if missing:
-            raise ValueError(f"{source}: fault #{i} lacks {missing}; each needs step, rank, kind")
-        for key in ("step", "rank"):
-            if not _int(entry[key]):
+            raise ValueError(
+                f"{source}: fault #{i} lacks {missing}; each needs rank, kind and step "
+                "(or a phase: see `unbroken faults show --help`)"
+            )
+        for key in ("step", "rank", "occurrence"):
+            if key in entry and not _int(entry[key]):
                 raise ValueError(
                     f"{source}: fault #{i}: {key} must be an integer, got {entry[key]!r:.80}"
                 )
-        params = {k: v for k, v in entry.items() if k not in _REQUIRED}
+        params = {k: v for k, v in entry.items() if k not in _REQUIRED and k not in _WHEN}
         try:
             spec = FaultSpec(
                 index=i,
-                step=entry["step"],
+                step=entry.get("step"),
                 rank=entry["rank"],
                 kind=cast(FaultKind, str(entry["kind"])),  # checked by FaultSpec
                 params=params,
+                phase=None if entry.get("phase") is None else str(entry["phase"]),
+                occurrence=entry.get("occurrence"),
             )
         except ValueError as e:
             raise ValueError(f"{source}: {e}") from None
@@ -363,7 +444,7 @@ def parse_plan(obj: Any, *, source: str = "plan", world_size: int | None = None)
     if "random" in obj:
         for entry in _expand_random(obj["random"], source=source, world_size=world_size):
             specs.append(FaultSpec(index=len(specs), **entry))
-    specs.sort(key=lambda f: (f.step, f.rank, f.index))
+    specs.sort(key=lambda f: (-1 if f.step is None else f.step, f.rank, f.index))
     return FaultPlan(tuple(specs))
 
 

@@ -22,7 +22,7 @@ from typing import Any
 
 # --- kinds -----------------------------------------------------------------------------------
 PROCESS_START = "process_start"  # ts = the process's creation time; data: pid, host
-PHASE = "phase"  # interval; data: name (one of PHASES)
+PHASE = "phase"  # interval; data: name (one of PHASES, or a user's phase: ``phases``)
 STEP = "step"  # interval from the previous step boundary; data: step, loss
 # Interval the trainer was blocked by a save; data: step, bytes, or part: "overlap" (waiting for
 # a background copy) or "note" (a step noted for a rescue, unbroken.checkpoint.rescue).
@@ -69,7 +69,8 @@ KINDS = frozenset(
     }
 )
 
-# Phase names: each maps to the badput category of the same name, except "import" -> startup.
+# Phase names of ours: each maps to the badput category of the same name, except "import" ->
+# startup. Any other valid name (``phases.check_name``) is a user's phase: badput "custom".
 PHASES = frozenset({"import", "rendezvous", "pg_init", "model_build", "data", "shutdown"})
 
 # Layers that recover a fault.

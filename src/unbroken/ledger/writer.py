@@ -33,6 +33,7 @@ from types import FrameType
 from typing import Any
 
 from unbroken.ledger import events as ev
+from unbroken.ledger.phases import check_name
 from unbroken.mask import masked
 
 logger = logging.getLogger(__name__)
@@ -165,7 +166,7 @@ class Ledger:
     def phase(self, name: str, **data: Any) -> Iterator[None]:
         """Record the enclosed block as a phase; moves the step boundary to its end."""
         if name not in ev.PHASES:
-            raise ValueError(f"unknown phase {name!r}; expected one of {sorted(ev.PHASES)}")
+            check_name(name)  # a user's phase (``RestartContext.phase``)
         begin = time.time()
         yield
         end = time.time()

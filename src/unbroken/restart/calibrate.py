@@ -13,8 +13,13 @@ timeout the config leaves None (an explicit value always wins, unchanged):
   at most its ceiling (600 s); the ceiling until one first step was seen.
 - hard timeouts follow their soft one: ``max(HARD_RATIO x soft, soft + HARD_MARGIN_S)`` (10 s:
   an NCCL abort may take seconds), at most their ceiling.
+- a phase's soft timeout (``RestartContext.phase``, while ``fn`` is inside it): the config's
+  ``phase_timeouts_s[name]`` when given; else ``max(timeout_floor_s, timeout_factor x the
+  longest time the phase took)``, at most the initial ceiling; the initial ceiling until the
+  phase has ended once. Its hard timeout follows it like the others'.
 - a value in effect moves only when the computed one differs from it by more than
-  ``HYSTERESIS``; each move is a ledger ``tuned`` record (and the first calibrated value).
+  ``HYSTERESIS``; each move is a ledger ``tuned`` record (and the first calibrated value; a
+  phase's names it in ``phase``).
 
 Why these numbers (defaults 8 x, floor 1 s, warm-up 20 gaps): a 70 ms-step job's soft timeout
 becomes the 1 s floor (a hang costs about a second, not a minute), which a 14x slowdown of its
@@ -100,6 +105,10 @@ class Calibrator:
         self.soft_s: float | None = None
         """The calibrated steady soft timeout, None until warmed up."""
         self.initial_soft_s: float | None = None
+        self.phase_max_s: dict[str, float] = {}
+        """The longest time each phase took (persisted)."""
+        self.phase_soft_s: dict[str, float] = {}
+        """The calibrated soft timeout of each phase that ended at least once."""
         self._warned = False
         if path is not None:
             self._load(path)
@@ -129,7 +138,39 @@ class Calibrator:
         hard = hard_x if hard_x is not None else _derived_hard(soft, h_ceil)
         return soft, hard
 
+    def phase_timeouts(self, name: str) -> tuple[float, float]:
+        """(soft, hard) in effect while ``fn`` is inside phase ``name``."""
+        _, _, isoft_c, ihard_c = self._ceilings
+        given = self.config.phase_timeouts_s.get(name)
+        if given is not None:
+            soft = float(given)
+            return soft, _derived_hard(soft, max(ihard_c, HARD_RATIO * soft))
+        soft = min(isoft_c, self.phase_soft_s.get(name, isoft_c))
+        return soft, _derived_hard(soft, ihard_c)
+
     # --- what the watchdog tells --------------------------------------------------------------
+    def phase_ended(self, name: str, dur_s: float) -> None:
+        """Phase ``name`` took ``dur_s`` (main thread; cheap unless a value moves)."""
+        if name in self.config.phase_timeouts_s or dur_s <= self.phase_max_s.get(name, -1.0):
+            return
+        self.phase_max_s[name] = dur_s
+        new = max(self.config.timeout_floor_s, self.config.timeout_factor * dur_s)
+        previous = self.phase_soft_s.get(name)
+        if _moved(new, previous):
+            self.phase_soft_s[name] = new
+            soft, hard = self.phase_timeouts(name)
+            self.ledger.emit(
+                ev.TUNED,
+                name="phase_soft_timeout_s",
+                phase=name,
+                value=round(soft, 4),
+                previous=None if previous is None else round(previous, 4),
+                hard_s=round(hard, 4),
+                layer="inprocess",
+                phase_max_s=round(dur_s, 4),
+            )
+            self._save()
+
     def gap(self, gap_s: float) -> None:
         """A progress gap of the steady phase (main thread; cheap unless a value moves)."""
         if self.config.soft_timeout_s is not None:
@@ -182,6 +223,8 @@ class Calibrator:
             "first_steps": self.first_steps,
             "first_step_max_s": self.first_step_max_s,
             "initial_soft_s": self.initial_soft_s,
+            "phase_max_s": self.phase_max_s,
+            "phase_soft_s": self.phase_soft_s,
         }
 
     def _save(self) -> None:
@@ -205,6 +248,8 @@ class Calibrator:
             soft = None if raw["soft_s"] is None else float(raw["soft_s"])
             first_steps, first_max = int(raw["first_steps"]), float(raw["first_step_max_s"])
             isoft = None if raw["initial_soft_s"] is None else float(raw["initial_soft_s"])
+            phase_max = {str(k): float(v) for k, v in dict(raw.get("phase_max_s") or {}).items()}
+            phase_soft = {str(k): float(v) for k, v in dict(raw.get("phase_soft_s") or {}).items()}
         except FileNotFoundError:
             return
         except (OSError, ValueError, KeyError, TypeError) as e:
@@ -215,6 +260,7 @@ class Calibrator:
         if samples > 0:
             self.gaps.add(gap_max)
         self.first_steps, self.first_step_max_s, self.initial_soft_s = first_steps, first_max, isoft
+        self.phase_max_s, self.phase_soft_s = phase_max, phase_soft
         for name, value, initial in (
             ("soft_timeout_s", soft, False),
             ("initial_soft_timeout_s", isoft, True),

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal, get_args
 
 from unbroken.errors import UnbrokenError
@@ -71,6 +71,10 @@ _TIMEOUTS = ("soft_timeout_s", "hard_timeout_s", "initial_soft_timeout_s", "init
 class RestartConfig:
     """How ``unbroken.restart.run`` detects faults and restarts ``fn``. Durations in seconds."""
 
+    enabled: bool = True
+    """False: no in-process restart. ``fn`` runs once, in a process group formed on the
+    launcher's store; a fault ends the process with its error, and the launcher restarts it.
+    Nothing watches for hangs inside the process then: the launcher's heartbeat timeout does."""
     max_iterations: int = 16
     """``fn`` is called at most this many times; a fault in the last one escalates."""
     min_world_size: int = 1
@@ -93,6 +97,11 @@ class RestartConfig:
     initial_hard_timeout_s: float | None = None
     """The hard timeout before an iteration's first step. None: derived like the hard one, at
     most 900 s."""
+    phase_timeouts_s: Mapping[str, float] = field(default_factory=dict)
+    """Soft hang timeouts of named phases (``RestartContext.phase``: "validation", "data"...),
+    in effect while ``fn`` is inside one. A phase not named here is calibrated like the
+    initial timeout: ``timeout_factor`` x its longest duration seen (at least
+    ``timeout_floor_s``), the initial ceiling until it was seen once."""
     timeout_factor: float = 8.0
     """Calibrated timeouts are this many times the largest recent gap (or first-step time)."""
     timeout_floor_s: float = 1.0
@@ -185,6 +194,13 @@ class RestartConfig:
             )
         if self.store_addr is not None:
             parse_addr(self.store_addr)
+        for name, seconds in self.phase_timeouts_s.items():
+            if not isinstance(name, str) or not name:
+                raise ValueError(f"phase_timeouts_s: a phase name must be a string, got {name!r}")
+            if not (isinstance(seconds, int | float) and 0 < seconds < float("inf")):
+                raise ValueError(
+                    f"phase_timeouts_s[{name!r}] must be a number of seconds > 0, got {seconds!r}"
+                )
 
     @staticmethod
     def _check_order(pairs: list[tuple[str, float]], *, strict: bool = True) -> None:

@@ -4,11 +4,14 @@ progress heartbeat that the watchdog lives on."""
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from unbroken.ledger import phases
 
 if TYPE_CHECKING:
     from unbroken.ledger import Recorder
@@ -18,6 +21,8 @@ logger = logging.getLogger(__name__)
 
 StepHook = Callable[[int], None]
 ExitHook = Callable[[BaseException | None], None]
+PhaseHook = Callable[[str, "float | None"], None]
+"""Called with (name, None) when fn enters a named phase, (name, seconds) when it leaves."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -58,7 +63,7 @@ class RestartContext:
         member: int,
         run_dir: Path | None,
         ledger: Recorder,
-        monitor: Monitor,
+        monitor: Monitor | None,
     ) -> None:
         self._iteration = iteration
         self._cause = cause
@@ -71,6 +76,7 @@ class RestartContext:
         self._monitor = monitor
         self._hooks: list[StepHook] = []
         self._exit_hooks: list[ExitHook] = []
+        self._phase_hooks: list[PhaseHook] = []
         self.first_step: int | None = None
         """The first step completed in this iteration (its restore point), or None."""
         self.last_step: int | None = None
@@ -115,7 +121,8 @@ class RestartContext:
         """Call after each completed training step (after ``optimizer.step``): the progress
         heartbeat, the ledger's ``step`` record (``data`` goes into it), then the step hooks
         in registration order (a hook may raise, hang or kill: that is the fault injector)."""
-        self._monitor.progress(step=True)
+        if self._monitor is not None:
+            self._monitor.progress(step=True)
         if self.first_step is None:
             self.first_step = step
         self.last_step = step
@@ -125,11 +132,47 @@ class RestartContext:
 
     def heartbeat(self) -> None:
         """Progress without a completed step (e.g. in a long evaluation loop)."""
-        self._monitor.progress(step=False)
+        if self._monitor is not None:
+            self._monitor.progress(step=False)
+
+    @contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        """The enclosed block is the named phase ``name`` of the job ("data", "validation",
+        any name: a letter, then letters, digits, ``_.-``).
+
+        - The ledger records it (a ``phase`` interval; the next step's interval starts when it
+          ends): the report's badput names it ("data": data loading; another name: custom).
+        - The hang watchdog applies the phase's own timeout while fn is inside it, learned
+          from the phase's past durations unless ``RestartConfig.phase_timeouts_s`` (or
+          ``UNBROKEN_PHASE_TIMEOUTS``) names one; its time is not a step gap.
+        - A fault plan may target it (``phase: validation``), firing on entry.
+
+        Raises ValueError for an invalid name. Call from fn's thread; phases nest."""
+        phases.check_name(name)
+        if self._monitor is not None:
+            self._monitor.enter_phase(name)
+        t0 = time.monotonic()
+        try:
+            with self._ledger.phase(name):
+                for hook in self._phase_hooks:
+                    hook(name, None)
+                with phases.region(name):
+                    yield
+        finally:
+            if self._monitor is not None:
+                self._monitor.exit_phase(name)
+        dur_s = time.monotonic() - t0
+        for hook in self._phase_hooks:
+            hook(name, dur_s)
 
     def add_step_hook(self, hook: StepHook) -> None:
         """Call ``hook(step)`` at the end of every ``step_done`` of this iteration."""
         self._hooks.append(hook)
+
+    def add_phase_hook(self, hook: PhaseHook) -> None:
+        """Call ``hook(name, None)`` on entry to every named phase of this iteration (before a
+        fault plan's phase target fires) and ``hook(name, seconds)`` when it ends normally."""
+        self._phase_hooks.append(hook)
 
     def add_exit_hook(self, hook: ExitHook) -> None:
         """Call ``hook(error)`` once ``fn`` has ended in this iteration, with what it raised
@@ -151,6 +194,9 @@ class RestartContext:
         """Suspend the hang watchdog (soft and hard timeouts) for a known long region, such as
         a blocking checkpoint save or an evaluation. Faults of other ranks still interrupt it;
         the progress clock restarts when the region ends."""
+        if self._monitor is None:
+            yield
+            return
         self._monitor.protect(enter=True)
         try:
             yield

@@ -139,6 +139,16 @@ class Monitor:
         """A heartbeat from the main thread (lock-free: two attribute writes)."""
         self.watchdog.progress(time.monotonic(), step=step)
 
+    @masked  # called from fn: the phase stack is changed whole or not at all
+    def enter_phase(self, name: str) -> None:
+        """fn entered named phase ``name`` (lock-free: the watchdog reads a replaced tuple)."""
+        self.watchdog.enter_phase(name, time.monotonic())
+
+    @masked
+    def exit_phase(self, name: str) -> None:
+        """fn left phase ``name``."""
+        self.watchdog.exit_phase(name, time.monotonic())
+
     @masked  # called from fn: an interrupt must not leave the monitor's lock held
     def protect(self, *, enter: bool) -> None:
         with self._lock:

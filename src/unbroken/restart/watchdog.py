@@ -9,8 +9,10 @@ Two questions, two signals:
   whose peer never comes, a deadlock). The kind names the cause; the action is the same.
 
 The timeouts come from ``calibrate.Calibrator``: the watchdog hands it every progress gap of
-the steady phase (outside ``no_hang_protection`` regions and pending restarts) and every
-iteration's time to its first step, and asks it for the timeouts in effect.
+the steady phase (outside ``no_hang_protection`` regions, named phases and pending restarts),
+every iteration's time to its first step and every named phase's duration, and asks it for the
+timeouts in effect: inside a named phase (``RestartContext.phase``) the innermost phase's,
+counted from its entry or the last heartbeat in it.
 
 This module only decides; it owns no thread and does no I/O of its own (the calibrator writes a
 small file when a calibrated value moves), so tests drive it with a fake clock. ``monitor.Monitor`` calls ``evaluate`` every ``monitor_interval_s`` from its own
@@ -56,14 +58,17 @@ class Verdict:
     """Seconds since the last progress heartbeat."""
     silent_s: float = 0.0
     """Seconds since the main thread last executed Python."""
+    phase: str = ""
+    """The named phase the rank was in ("": none)."""
 
     @property
     def main_state(self) -> str:
         return "native" if self.kind == STUCK else "python"
 
     def describe(self) -> str:
+        where = f" in phase {self.phase}" if self.phase else ""
         return (
-            f"{self.kind}: no progress for {self.idle_s:.3f}s, "
+            f"{self.kind}{where}: no progress for {self.idle_s:.3f}s, "
             f"no Python executed for {self.silent_s:.3f}s"
         )
 
@@ -82,6 +87,9 @@ class Watchdog:
         self.first_step_seen = False
         self.last_progress = 0.0
         self.protect_depth = 0
+        self.phases: tuple[tuple[str, float], ...] = ()
+        """The named phases fn is in, (name, entered at), innermost last; replaced, never
+        mutated, so the watchdog thread reads a consistent value without the lock."""
         self.requested_at: float | None = None
         # The calibration's gap runs from one progress to the next, less protected regions
         # inside it (a per-step snapshot or save just before ``step_done`` must not hide the
@@ -97,6 +105,7 @@ class Watchdog:
         self.first_step_seen = False
         self.last_progress = now
         self.protect_depth = 0
+        self.phases = ()
         self.requested_at = None
         self.gap_start = now
         self.protected_s = 0.0
@@ -106,7 +115,7 @@ class Watchdog:
 
     def progress(self, now: float, *, step: bool) -> None:
         """A heartbeat; ``step`` ends the initial phase. Feeds the calibration."""
-        if self.protect_depth == 0 and self.requested_at is None:
+        if not self._excluding() and self.requested_at is None:
             if self.first_step_seen:
                 self.calibrator.gap(max(0.0, now - self.gap_start - self.protected_s))
             elif step:
@@ -117,15 +126,50 @@ class Watchdog:
         if step:
             self.first_step_seen = True
 
+    def _excluding(self) -> bool:
+        """In a region the step gaps leave out (unprotected or a named phase)."""
+        return self.protect_depth > 0 or bool(self.phases)
+
     def protect(self, now: float, *, enter: bool) -> None:
         """Enter or leave a region without hang protection; leaving restarts the clock."""
+        was = self._excluding()
         self.protect_depth += 1 if enter else -1
         assert self.protect_depth >= 0, "unbalanced no_hang_protection"
-        if enter and self.protect_depth == 1:
+        if enter and not was:
             self.protect_since = now
         if not enter and self.protect_depth == 0:
             self.last_progress = now
+            if not self._excluding():
+                self.protected_s += now - self.protect_since
+
+    def enter_phase(self, name: str, now: float) -> None:
+        """fn entered named phase ``name``: its timeouts apply until it leaves."""
+        if not self._excluding():
+            self.protect_since = now
+        self.phases = (*self.phases, (name, now))
+
+    def exit_phase(self, name: str, now: float) -> None:
+        """fn left phase ``name`` (the innermost): its duration feeds the calibration, and
+        the progress clock restarts."""
+        if not self.phases or self.phases[-1][0] != name:
+            return  # its entry was cut short (an interrupt): nothing to leave
+        since = self.phases[-1][1]
+        self.phases = self.phases[:-1]
+        if self.requested_at is None:
+            self.calibrator.phase_ended(name, now - since)
+        self.last_progress = now
+        if not self._excluding():
             self.protected_s += now - self.protect_since
+
+    def _limits(self) -> tuple[float, float, float, str]:
+        """(soft, hard, progress clock start, phase name) in effect now."""
+        phases = self.phases
+        if phases:
+            name, since = phases[-1]
+            soft, hard = self.calibrator.phase_timeouts(name)
+            return soft, hard, max(self.last_progress, since), name
+        soft, hard = self.calibrator.timeouts(initial=not self.first_step_seen)
+        return soft, hard, self.last_progress, ""
 
     def requested(self, now: float) -> None:
         """A restart was requested (by us or a peer): fn now has exit_timeout_s to return."""
@@ -135,21 +179,21 @@ class Watchdog:
     def evaluate(self, now: float, *, silent_s: float) -> Verdict:
         if not self.armed:
             return _QUIET
-        soft, hard = self.calibrator.timeouts(initial=not self.first_step_seen)
-        idle = now - self.last_progress
+        soft, hard, since, phase = self._limits()
+        idle = now - since
         protected = self.protect_depth > 0
         if self.requested_at is not None:
             if now - self.requested_at > self.config.exit_timeout_s:
-                return Verdict(KILL, EXIT_TIMEOUT, idle, silent_s)
+                return Verdict(KILL, EXIT_TIMEOUT, idle, silent_s, phase)
             if not protected and idle > hard:
-                return Verdict(KILL, self._kind(silent_s, soft), idle, silent_s)
+                return Verdict(KILL, self._kind(silent_s, soft), idle, silent_s, phase)
             return _QUIET
         if protected:
             return _QUIET
         if idle > hard:
-            return Verdict(KILL, self._kind(silent_s, soft), idle, silent_s)
+            return Verdict(KILL, self._kind(silent_s, soft), idle, silent_s, phase)
         if idle > soft:
-            return Verdict(RESTART, self._kind(silent_s, soft), idle, silent_s)
+            return Verdict(RESTART, self._kind(silent_s, soft), idle, silent_s, phase)
         return _QUIET
 
     def suspect(self, now: float, *, silent_s: float) -> str | None:
@@ -158,8 +202,8 @@ class Watchdog:
         in Python must own up to it rather than pass for the peer's victim."""
         if not self.armed or self.protect_depth > 0 or self.requested_at is not None:
             return None
-        soft, _ = self.calibrator.timeouts(initial=not self.first_step_seen)
-        if now - self.last_progress < 0.5 * soft:
+        soft, _, since, _ = self._limits()
+        if now - since < 0.5 * soft:
             return None
         return self._kind(silent_s, soft)
 
@@ -172,10 +216,10 @@ class Watchdog:
         """Monotonic time at which ``evaluate`` will say KILL, or None (not armed/protected)."""
         if not self.armed:
             return None
-        _, hard = self.calibrator.timeouts(initial=not self.first_step_seen)
+        _, hard, since, _ = self._limits()
         limits = []
         if self.protect_depth == 0:
-            limits.append(self.last_progress + hard)
+            limits.append(since + hard)
         if self.requested_at is not None:
             limits.append(self.requested_at + self.config.exit_timeout_s)
         return min(limits) if limits else None

@@ -13,6 +13,8 @@ One iteration, on every rank (main thread):
    ranks and go to 1, or escalate;
 4. a rank left out raises ``RankExcluded``; on escalation every rank raises ``Escalated``.
 
+With ``RestartConfig(enabled=False)`` none of this happens: ``fn`` runs once (``solo``).
+
 A configuration error is not a fault: no restart fixes it. ``fn`` raising ``ConfigError``, or
 any ``ValueError`` before it completed its first step in the first iteration of the first
 launcher attempt (bad input found while setting up), ends ``run`` on that rank at once as a
@@ -40,7 +42,7 @@ from unbroken.env import WorkerEnv
 from unbroken.errors import ConfigError
 from unbroken.ledger import NULL, Recorder
 from unbroken.ledger import events as ev
-from unbroken.restart import assign, pg
+from unbroken.restart import assign, pg, solo
 from unbroken.restart.barrier import Between
 from unbroken.restart.calibrate import Calibrator, state_path
 from unbroken.restart.config import (
@@ -100,6 +102,12 @@ def run(
 
         run_id = env.run_id if env.run_id and env.run_id != "none" else env.run_dir.name
         owned = recorder = Ledger(env.run_dir, run=run_id, rank=env.rank, attempt=env.restart_count)
+    if not config.enabled:  # fn once; a fault ends the process (the launcher's)
+        try:
+            return solo.run_once(fn, config=config, ledger=recorder, env=env)
+        finally:
+            if owned is not None:
+                owned.close()
     frozen = config.gc_freeze and gc.get_freeze_count() == 0
     if frozen:
         gc.freeze()
