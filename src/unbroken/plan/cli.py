@@ -2,8 +2,10 @@
 
 Flags map one-to-one to ``PlanConfig`` fields (``--restart-s launcher=15``: one entry of a
 mapping). ``--from RUN`` starts from a real run's measured figures (``measured``); flags given
-next to it override them. ``--validate`` prints the stored validations instead (``scenarios``)
-and exits 1 when one is outside its tolerance.
+next to it override them. ``--recommend`` (with ``--from RUN_DIR``) sizes the durable and
+snapshot intervals and the hang timeouts on that run instead (``tune_cli``). ``--validate``
+prints the stored validations instead (``scenarios``) and exits 1 when one is outside its
+tolerance.
 """
 
 from __future__ import annotations
@@ -16,8 +18,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from unbroken.plan import measured, scenarios
-from unbroken.plan.config import KINDS, LAYERINGS, PlanConfig
+from unbroken.plan import measured, scenarios, tune_cli
+from unbroken.plan.config import KINDS, LAYERINGS, PlanConfig, merge_fields
 from unbroken.plan.model import predict
 from unbroken.plan.simulate import simulate
 
@@ -94,6 +96,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0, help="seed of the Monte Carlo trials")
     p.add_argument("--validate", action="store_true", help="the stored validations, then exit")
     p.add_argument("--json", metavar="PATH", help="also write the figures as JSON ('-': stdout)")
+    tune_cli.add_arguments(p)
 
 
 def _pairs(name: str, items: list[str], kind: type) -> dict[str, Any]:
@@ -111,14 +114,9 @@ def _pairs(name: str, items: list[str], kind: type) -> dict[str, Any]:
     return out
 
 
-def config_from(args: argparse.Namespace) -> tuple[PlanConfig, list[str]]:
-    """The plan's config (and the fields a run measured) from parsed flags."""
+def given_fields(args: argparse.Namespace) -> dict[str, Any]:
+    """The PlanConfig fields the flags give (``--llama3``: its rates), nothing else."""
     fields: dict[str, Any] = {}
-    sources: list[str] = []
-    if args.from_run:
-        m = measured.load(args.from_run)
-        fields.update(m.fields)
-        sources = m.sources
     if args.llama3:
         fields["failures_per_gpu_hour"] = {
             k: scenarios.LLAMA3_RATE * share for k, share in scenarios.LLAMA3_SHARES.items()
@@ -130,17 +128,23 @@ def config_from(args: argparse.Namespace) -> tuple[PlanConfig, list[str]]:
     for name, _, kind in _MAPPINGS:
         items = getattr(args, name)
         if items is not None:
-            given = _pairs(name, items, kind)
-            fields[name] = dict(fields.get(name, {})) | given if name == "restart_s" else given
-    if fields.get("failures_per_gpu_hour") and args.from_run and args.injected is None:
-        fields.pop("injected", None)  # a production rate replaces the run's injected faults
+            fields[name] = _pairs(name, items, kind)
     if args.sync_checkpoint:
         fields["async_checkpoint"] = False
     if args.no_memory_tier:
         fields["memory_tier"] = False
-    if "restart_s" in fields:
-        fields["restart_s"] = dict(PlanConfig().restart_s) | fields["restart_s"]
-    return PlanConfig(**fields), sources
+    return fields
+
+
+def config_from(args: argparse.Namespace) -> tuple[PlanConfig, list[str]]:
+    """The plan's config (and the fields a run measured) from parsed flags."""
+    base: dict[str, Any] = {}
+    sources: list[str] = []
+    if args.from_run:
+        m = measured.load(args.from_run)
+        base = m.fields
+        sources = m.sources
+    return PlanConfig(**merge_fields(base, given_fields(args))), sources
 
 
 def _pct(x: float) -> str:
@@ -246,6 +250,8 @@ def validate(*, show: bool = True) -> tuple[list[dict[str, Any]], bool]:
 
 
 def main(args: argparse.Namespace) -> int:
+    if args.recommend:
+        return tune_cli.main(args, given_fields(args))
     if args.validate:
         rows, ok = validate(show=args.json != "-")
         doc: dict[str, Any] = {"validation": rows}

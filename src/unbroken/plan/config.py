@@ -75,6 +75,10 @@ class PlanConfig:
     """Steps between memory-tier snapshots; None: the best interval."""
     measured_stall: float | None = None
     """Blocking checkpoint seconds per second of steps, measured; None: from the sizes."""
+    save_stage_s: float | None = None
+    """Blocking seconds of an async durable save, measured; None: a snapshot's (``stage_s``)."""
+    note_s: float = 0.0
+    """Blocking seconds of noting a step the memory tier neither saves nor snapshots."""
     startup_s: float = 120.0
     """The job's first start: imports, rendezvous, process group, model build, shutdown."""
     other_overhead: float = 0.0
@@ -124,6 +128,7 @@ class PlanConfig:
             "node_detection_s",
             "node_repair_s",
             "other_overhead",
+            "note_s",
         )
         for name in durations:
             value = getattr(self, name)
@@ -133,6 +138,14 @@ class PlanConfig:
             math.isfinite(self.measured_stall) and self.measured_stall >= 0
         ):
             raise ValueError(f"measured_stall must be a number >= 0, got {self.measured_stall!r}")
+        if self.save_stage_s is not None and not (
+            isinstance(self.save_stage_s, (int, float))
+            and math.isfinite(self.save_stage_s)
+            and self.save_stage_s >= 0
+        ):
+            raise ValueError(
+                f"save_stage_s must be a number >= 0 or None, got {self.save_stage_s!r}"
+            )
         if not 0 < self.spare_target < 1:
             raise ValueError(f"spare_target must lie in (0, 1), got {self.spare_target!r}")
         for name in ("ckpt_every_steps", "memory_every_steps"):
@@ -199,6 +212,20 @@ class PlanConfig:
     def rate_per_s(self, kind: str) -> float:
         """Faults of ``kind`` per second of the job's training time (rate mode)."""
         return self.failures_per_gpu_hour.get(kind, 0.0) * self.gpus / 3600.0
+
+
+def merge_fields(base: dict[str, Any], given: dict[str, Any]) -> dict[str, Any]:
+    """``base`` (a run's measured fields) with the flags' ``given`` over it: a given rate
+    replaces the run's injected faults unless faults are given too; restart costs merge."""
+    fields = dict(base)
+    if given.get("failures_per_gpu_hour") and "injected" not in given:
+        fields.pop("injected", None)  # a production rate replaces the run's injected faults
+    if "restart_s" in given:
+        given = given | {"restart_s": dict(fields.get("restart_s", {})) | given["restart_s"]}
+    fields |= given
+    if "restart_s" in fields:
+        fields["restart_s"] = dict(PlanConfig().restart_s) | fields["restart_s"]
+    return fields
 
 
 def failures_per_gpu_hour(interruptions: float, *, days: float, gpus: int) -> float:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import statistics
 from collections import defaultdict
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -67,21 +68,28 @@ class Measured:
     """The run's own figures (training/infra goodput, wall), to compare with a prediction."""
 
 
+def restores_after_faults(
+    events: Sequence[ev.Event], rep: goodput.RunReport
+) -> dict[str, list[float]]:
+    """The reference rank's restore seconds after a fault, by planner tier."""
+    loads: dict[str, list[float]] = defaultdict(list)
+    fault_ts = [f.fault_ts for f in rep.faults if f.disruptive]
+    for e in events:
+        tier = TIER.get(str(e.get("tier")))
+        if e.kind != ev.CKPT_LOAD or e.rank != 0 or not tier or e.dur_s is None:
+            continue
+        if any(e.begin >= t for t in fault_ts):  # a restore after a fault
+            loads[tier].append(e.dur_s)
+    return loads
+
+
 def _report_and_loads(path: Path) -> tuple[dict[str, Any], dict[str, list[float]]]:
     if path.is_dir():
         result = read_run(path, fold_steps_except=0)
         if not result.events:
             raise ValueError(f"the ledger in {path} has no records; is it a run directory?")
         rep = goodput.compute(result.events, digest=result.digest)
-        loads: dict[str, list[float]] = defaultdict(list)
-        fault_ts = [f.fault_ts for f in rep.faults if f.disruptive]
-        for e in result.events:
-            tier = TIER.get(str(e.get("tier")))
-            if e.kind != ev.CKPT_LOAD or e.rank != 0 or not tier or e.dur_s is None:
-                continue
-            if any(e.begin >= t for t in fault_ts):  # a restore after a fault
-                loads[tier].append(e.dur_s)
-        return rep.to_dict(), loads
+        return rep.to_dict(), restores_after_faults(result.events, rep)
     try:
         doc = json.loads(path.read_text())
     except (OSError, ValueError) as e:

@@ -6,9 +6,10 @@ The job does ``steps`` steps of ``step_time_s``; the productive time ``P`` is fi
     T_train = P * (1 + stall) * (1 + other_overhead) + sum over kinds of N_k * R_k
 
 - ``stall``: blocking checkpoint time per second of steps: a memory-tier snapshot costs one
-  copy of a shard into host memory (``stage_s``) every ``m <= k`` steps; an asynchronous
-  durable save every ``k`` steps persists such a snapshot (without a memory tier it costs the
-  same copy); a synchronous one stalls for the whole write through the shared bandwidth;
+  copy of a shard into host memory (``stage_s``) every ``m <= k`` steps, and every other step
+  a note (``note_s``); an asynchronous durable save every ``k`` steps persists such a snapshot
+  (or costs ``save_stage_s`` when measured, with or without a memory tier); a synchronous one
+  stalls for the whole write through the shared bandwidth;
 - per fault of kind k, recovered by a layer (``handler``): ``D_k`` = detection + restart +
   restore (the job is down) and ``R_k`` = rolled-back steps re-executed (training time);
   rolled back: ``(m - 1) / 2`` steps from a memory snapshot, ``(k - 1) / 2 + lag`` from a
@@ -90,12 +91,16 @@ def stall(layering: str, *, k: int, m: int, cfg: PlanConfig) -> float:
         return cfg.measured_stall
     per_step = 0.0
     memory = cfg.memory_tier and layering != "kubernetes"
+    save = cfg.stage_s if cfg.save_stage_s is None else cfg.save_stage_s
     if memory:
-        per_step += cfg.stage_s / min(m, k)  # an async durable save persists a snapshot
+        every = min(m, k)
+        per_step += cfg.stage_s / every + cfg.note_s * (1 - 1 / every)
+        if cfg.async_checkpoint:  # an async durable save stages in place of a snapshot
+            per_step += (save - cfg.stage_s) / k
     if not cfg.async_checkpoint:
         per_step += cfg.persist_s / k
     elif not memory:
-        per_step += cfg.stage_s / k
+        per_step += save / k
     return per_step / cfg.step_time_s
 
 
@@ -234,7 +239,7 @@ def intervals(layering: str, cfg: PlanConfig, spares: int) -> tuple[int, int]:
     lag = lag_steps(cfg)
     min_k = lag if cfg.async_checkpoint else 1
     memory = cfg.memory_tier and layering != "kubernetes"
-    young = _young(cfg)
+    young = young_steps(cfg)
     if cfg.ckpt_every_steps is not None:
         k = cfg.ckpt_every_steps
     else:  # first with every durable save the only snapshot, then trade the two
@@ -248,12 +253,13 @@ def intervals(layering: str, cfg: PlanConfig, spares: int) -> tuple[int, int]:
     return k, min(m, k)
 
 
-def _young(cfg: PlanConfig) -> float:
+def young_steps(cfg: PlanConfig) -> float:
     """Young's interval in steps for the blocking cost of a save and the job's MTBF."""
     rate = sum(cfg.rate_per_s(kind) for kind in KINDS)
     if cfg.injected:
         rate = sum(cfg.injected.values()) / cfg.productive_s
-    cost = cfg.stage_s if cfg.async_checkpoint else cfg.persist_s
+    save = cfg.stage_s if cfg.save_stage_s is None else cfg.save_stage_s
+    cost = save if cfg.async_checkpoint else cfg.persist_s
     if rate <= 0:
         return float(cfg.steps)
     return math.sqrt(2 * cost / rate) / cfg.step_time_s
