@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from unbroken.bench.fault_classes import format_fault_classes
 from unbroken.bench.orchestrator import (
     OrchestratorConfig,
     run_node,
@@ -441,6 +442,8 @@ def main(a: argparse.Namespace) -> int:
     results = run_bench(a)
     print()
     print(format_table(results))
+    if classes := format_fault_classes(results):
+        print(f"\n{classes}")
     summary = format_summary(results)
     if summary:
         print(f"\nover {a.repeat} runs each:\n{summary}")

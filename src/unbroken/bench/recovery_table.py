@@ -72,6 +72,8 @@ class ConfigResult:
             "goodput_gap": self.gap,
             "final_state_sha256": self.final_state_sha256,
             "matches_clean": self.matches_clean,
+            "by_class": f.get("by_class", {}),
+            "by_phase": f.get("by_phase", {}),
         }
 
 
