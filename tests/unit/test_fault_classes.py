@@ -260,3 +260,21 @@ def test_no_faults_no_groups_and_the_json_holds_them() -> None:
     assert d["by_phase"]["save"]["steps_lost"] == 2
     assert d["faults"][0]["fault_class"] == "crash" and d["faults"][0]["phase"] == "save"
     assert [FaultRecord.from_dict(f) for f in d["faults"]] == r.faults
+
+
+def test_a_launcher_that_gives_up_tried_no_restart() -> None:
+    """The agent writes restart_begin as it stops the workers; when its budget is spent it ends
+    the job instead: that round is no failed restart."""
+    events = [
+        *steps(0, 2, 0.0),
+        ev(FAULT_INJECTED, 3.0, rank=0, fault="exception", step=3),
+        ev(RESTART_BEGIN, 3.1, rank=0, layer="inprocess"),  # tried in-process, escalated
+        ev(RESTART_BEGIN, 3.1, rank=1, layer="inprocess"),
+        ev(RESTART_BEGIN, 3.5, rank=-1, layer="launcher", round=0),
+        ev(JOB_END, 3.6, rank=-1, status="failed", reason="restart_budget_exhausted", round=0),
+    ]
+    [f] = compute(events).faults
+    assert f.restarts == 1
+    assert compute(events).by_class["exception"].failed_restarts == 1
+    ok = [*events[:-1], ev(JOB_END, 3.6, rank=-1, status="ok", round=0)]
+    assert compute(ok).faults[0].restarts == 2

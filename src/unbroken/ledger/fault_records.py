@@ -19,6 +19,7 @@ from unbroken.ledger.events import (
     CKPT_LOAD,
     FAULT_DETECTED,
     FAULT_INJECTED,
+    JOB_END,
     RESTART_BEGIN,
     RESTART_END,
     STEP,
@@ -331,6 +332,11 @@ def walk_faults(ordered: list[Event], ref: int) -> list[OpenFault]:
                     f.last_restart_end = float(e.ts)
                 else:
                     f.rounds.add(restart_round(e))
+        elif kind == JOB_END and e.get("status") == "failed" and e.get("round") is not None:
+            # The agent wrote that round's restart_begin as it stopped the workers, then gave
+            # up (restart budget, no progress) instead of restarting: no restart was tried.
+            for f in open_:
+                f.rounds.discard(("launcher", "round", e.get("round")))
         elif kind == STEP and e.rank == ref and open_:
             begin = float(e.begin)
             still_open = []

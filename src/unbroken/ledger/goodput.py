@@ -61,7 +61,9 @@ Faults (one walk over the events in order)
       (``fault_classes``). ``restarts``: the distinct restart rounds among the
       ``restart_begin`` records met while the fault was open, a round being (layer, ``round``)
       when the record has a ``round``, else (layer, attempt, iteration): the per-rank records
-      of one round count once.
+      of one round count once. A ``job_end`` with status ``failed`` and a ``round`` takes the
+      launcher's round of that number back from every open fault (the agent gave up instead
+      of restarting).
 
 Partition of [t0, t1]
     Each category below is a set of intervals; every elementary piece of [t0, t1] is assigned

@@ -248,8 +248,8 @@ def fault_group_table(views: Sequence[RunView], *, key: str) -> str:
     """A table of each run's recovery figures per fault ``key``: "class" or "phase"."""
     head = (
         f"<tr><th>run</th><th>{_esc(key)}</th><th>faults</th><th>recovered</th>"
-        "<th>recovery s p50</th><th>p95</th><th>max</th><th>failed restarts</th>"
-        "<th>steps lost</th><th>max</th><th>per incident</th><th>detection s p50</th></tr>"
+        "<th>recovery p50 s</th><th>p95 s</th><th>max s</th><th>failed restarts</th>"
+        "<th>steps lost</th><th>most lost</th><th>lost/incident</th><th>detection p50 s</th></tr>"
     )
     rows = [
         _group_row(v.label, name, g)
@@ -267,6 +267,7 @@ h1{font-size:22px}h2{font-size:17px;margin-top:28px}
 table{border-collapse:collapse;font-size:13px}td,th{border:1px solid #ccc;padding:3px 8px;
 text-align:right}th{background:#f3f3f3}td:first-child,th:first-child{text-align:left}
 .note{color:#555;font-size:13px}
+.fault-groups td:nth-child(2),.fault-groups th:nth-child(2){text-align:left}
 """
 
 

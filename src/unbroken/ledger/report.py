@@ -57,14 +57,14 @@ def _table(headers: Sequence[str], rows: Sequence[Sequence[str]], *, right: set[
 GROUP_HEADERS = (
     "faults",
     "recovered",
-    "recovery s p50",
-    "p95",
-    "max",
+    "recovery p50 s",
+    "p95 s",
+    "max s",
     "failed restarts",
     "steps lost",
-    "max",
-    "per incident",
-    "detection s p50",
+    "most lost",
+    "lost/incident",
+    "detection p50 s",
 )
 """The columns of ``fault_group_table`` after its key columns (``FaultFigures``' figures)."""
 
