@@ -108,7 +108,13 @@ def test_html_report_renders_in_chromium(tmp_path: Path) -> None:
             rows = page.locator("table.faults tr")
             assert rows.count() == 2  # header + one fault
             assert "sigkill" in rows.nth(1).inner_text()
-            assert rows.nth(1).locator("td").nth(10).inner_text() == "5"  # steps lost
+            cells = rows.nth(1).locator("td")
+            assert cells.nth(3).inner_text() == "crash" and cells.nth(4).inner_text() == "step"
+            assert cells.nth(12).inner_text() == "5"  # steps lost
+            by_class = page.locator("table.fault-groups.by-class tr")
+            assert by_class.count() == 2  # header + the faulty run's crash
+            assert by_class.nth(1).inner_text().split("\t")[:3] == ["faulty", "crash", "1"]
+            assert page.locator("table.fault-groups.by-phase tr").count() == 2
             shot = page.screenshot(full_page=True)
         finally:
             browser.close()

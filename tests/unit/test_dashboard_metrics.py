@@ -172,3 +172,50 @@ def test_prometheus_rules_file_is_well_formed_and_names_exported_metrics(tmp_pat
         "UnbrokenLowGoodput",
         "UnbrokenCheckpointSavesSkipped",
     } <= names
+
+
+def test_fault_figures_per_class_equal_the_report(tmp_path: Path) -> None:
+    """faulty_run's three exceptions (recovered, one restart round each) and a crash the
+    launcher tried twice and never recovered."""
+    events = faulty_run()[:-1] + [
+        rec(ev.FAULT_INJECTED, 39.0, rank=0, fault="sigkill", step=38, index=3, phase="save"),
+        rec(ev.RESTART_BEGIN, 39.2, rank=ev.LAUNCHER_RANK, layer="launcher", round=1),
+        rec(ev.RESTART_BEGIN, 39.2, rank=ev.LAUNCHER_RANK, layer="launcher", round=1),
+        rec(ev.RESTART_BEGIN, 39.8, rank=ev.LAUNCHER_RANK, layer="launcher", round=2),
+        rec(ev.JOB_END, 40.5, rank=0, status="failed"),
+    ]
+    write(tmp_path, events)
+    runs = RunSet(tmp_path, record_alerts=False)
+    try:
+        m = _scrape(runs)
+        families = {f.name: f for f in _families(runs)}
+    finally:
+        runs.close()
+    rep = compute(read_events(tmp_path))
+    exc, crash = rep.by_class["exception"], rep.by_class["crash"]
+    assert m["unbroken_faults_total"] == {
+        (("class", "exception"), ("kind", "exception"), ("phase", "step")): 3.0,
+        (("class", "crash"), ("kind", "sigkill"), ("phase", "save")): 1.0,
+    }
+    assert m["unbroken_failed_restarts_total"] == {
+        (("class", "exception"),): 0.0,
+        (("class", "crash"),): 2.0,
+    }
+    assert families["unbroken_fault_recovery_seconds"].type == "summary"
+    summary = m["unbroken_fault_recovery_seconds"]
+    for q, value in (
+        ("0.5", exc.recovery_s_p50),
+        ("0.95", exc.recovery_s_p95),
+        ("1", exc.recovery_s_max),
+    ):
+        assert summary[(("class", "exception"), ("quantile", q))] == pytest.approx(value)
+    assert (("class", "crash"), ("quantile", "0.5")) not in summary  # never recovered
+    assert m["unbroken_fault_recovery_seconds_count"] == {
+        (("class", "exception"),): 3.0,
+        (("class", "crash"),): 0.0,
+    }
+    assert m["unbroken_fault_recovery_ratio"] == {
+        (("class", "exception"),): 1.0,
+        (("class", "crash"),): 0.0,
+    }
+    assert crash.failed_restarts == 2 and exc.recovery_rate == 1.0

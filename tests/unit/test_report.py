@@ -10,11 +10,13 @@ from unbroken.ledger.events import (
     FAULT_INJECTED,
     JOB_END,
     PHASE,
+    RESTART_BEGIN,
     RESTART_END,
     STEP,
     Event,
 )
 from unbroken.ledger.goodput import compute
+from unbroken.ledger.html import RunView, render
 from unbroken.ledger.report import format_table, to_json
 
 
@@ -73,10 +75,13 @@ def test_table_fault_rows():
     assert "no faults" not in text
     [row] = [line for line in text.splitlines() if "sigkill" in line]
     cells = row.split()
-    # #, kind, rank, step, detector, layer, detection s, recovery s, steps lost, restore tier
+    # #, kind, class, phase, rank, step, detector, layer, detection s, recovery s, steps lost,
+    # restore tier
     assert cells == [
         "0",
         "sigkill",
+        "crash",
+        "step",
         "1",
         "7",
         "exit_code",
@@ -116,3 +121,52 @@ def test_to_json_round_trip():
     assert d == r.to_dict()
     assert to_json(r).startswith('{\n  "')  # indent 2
     assert list(d) == sorted(d)
+
+
+def test_table_figures_per_class_and_phase():
+    events = [
+        *fault_events(),
+        ev(RESTART_BEGIN, 8.3, rank=-1, layer="launcher", round=1),
+        ev(RESTART_BEGIN, 8.3, rank=-1, layer="launcher", round=1),  # a second node's agent
+    ]
+    text = format_table(compute(events))
+    by_class, by_phase = text.split("faults by class")[1].split("faults by phase")
+    [row] = [line for line in by_class.splitlines() if line.startswith("crash")]
+    # class, faults, recovered (rate), recovery s p50 / p95 / max, failed restarts, steps lost
+    # (total, max, per incident), detection s p50
+    assert row.split() == [
+        "crash",
+        "1",
+        "1",
+        "(100%)",
+        "2.500",
+        "2.500",
+        "2.500",
+        "0",
+        "3",
+        "3",
+        "3.0",
+        "0.250",
+    ]
+    [row] = [line for line in by_phase.splitlines() if line.startswith("step")]
+    assert row.split()[:2] == ["step", "1"]
+    assert "faults by class" not in format_table(compute(plain_events()))
+
+
+def test_json_has_the_figures_per_class_and_phase():
+    d = json.loads(to_json(compute(fault_events())))
+    assert d["faults"][0]["fault_class"] == "crash" and d["faults"][0]["phase"] == "step"
+    assert d["by_class"]["crash"]["steps_lost"] == 3
+    assert d["by_class"]["crash"]["recovery_s_p95"] == 2.5
+    assert d["by_phase"]["step"]["faults"] == 1
+
+
+def test_html_has_the_figures_per_class_and_phase():
+    events = fault_events()
+    text = render([RunView("faulty", compute(events), events)])
+    assert '<table class="fault-groups by-class">' in text
+    assert '<table class="fault-groups by-phase">' in text
+    row = text.split('by-class">')[1].split("</tr>")[1]
+    assert row.startswith("<tr><td>faulty</td><td>crash</td><td>1</td><td>1 (100.0%)</td>")
+    clean = plain_events()
+    assert '<table class="fault-groups' not in render([RunView("clean", compute(clean), clean)])

@@ -44,6 +44,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from unbroken.bench.fault_classes import format_fault_classes
 from unbroken.bench.judge import judge, losses, references_agree
 from unbroken.bench.recovery_configs import CONFIGS, Workload, run_config
 from unbroken.bench.recovery_table import (
@@ -345,6 +346,8 @@ def main(a: argparse.Namespace) -> int:
     results = run_bench(a)
     print()
     print(format_table(results))
+    if classes := format_fault_classes(results):
+        print(f"\n{classes}")
     summary = format_summary(results)
     if summary:
         print(f"\nover {a.repeat} runs each:\n{summary}")

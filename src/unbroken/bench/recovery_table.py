@@ -81,6 +81,8 @@ class ConfigResult:
             "matches_clean": self.matches_clean,
             "judged_by": self.judged_by,
             "loss_within": self.loss_within,
+            "by_class": f.get("by_class", {}),
+            "by_phase": f.get("by_phase", {}),
         }
 
 

@@ -13,6 +13,12 @@ above the report's figure for such a category; a fresh exporter (a new process r
 ledger) exports exactly the report's figures. Since the launcher's exporter lives as long as the
 job, worker restarts never reset its counters.
 
+Per fault class (``unbroken.ledger.fault_classes``): ``unbroken_faults_total`` carries the
+fault's ``kind``, ``class`` and ``phase``; ``unbroken_failed_restarts_total{class}`` counts
+restart rounds that did not bring training back; ``unbroken_fault_recovery_seconds{class}`` is
+a summary whose quantiles 0.5, 0.95 and 1 (the max) are the report's ``by_class`` figures, and
+``unbroken_fault_recovery_ratio{class}`` its recovery rate.
+
 ``unbroken-run --ft-metrics-port`` serves the same collector over its run directory
 (``MetricsServer``).
 """
@@ -31,11 +37,15 @@ from prometheus_client.core import (
     GaugeMetricFamily,
     HistogramMetricFamily,
     Metric,
+    SummaryMetricFamily,
 )
+from prometheus_client.samples import Sample
 
 from unbroken.dashboard.runs import RunSet, RunWatch
 from unbroken.ledger import events as ev
-from unbroken.ledger.goodput import BADPUT_CATEGORIES
+from unbroken.ledger.fault_classes import UNKNOWN_PHASE
+from unbroken.ledger.fault_summary import failed_restarts
+from unbroken.ledger.goodput import BADPUT_CATEGORIES, RunReport
 
 logger = logging.getLogger(__name__)
 
@@ -49,6 +59,30 @@ def _histogram(name: str, doc: str, rows: list[tuple[str, list[float]]]) -> Hist
         buckets.append(("+Inf", float(len(values))))
         h.add_metric([run], buckets, sum_value=float(sum(values)))
     return h
+
+
+QUANTILES = (("0.5", "recovery_s_p50"), ("0.95", "recovery_s_p95"), ("1", "recovery_s_max"))
+"""The recovery summary's quantiles: (label, ``FaultFigures`` field)."""
+
+
+def _recovery_by_class(rows: list[tuple[str, RunReport]]) -> SummaryMetricFamily:
+    name = "unbroken_fault_recovery_seconds"
+    s = SummaryMetricFamily(
+        name, "Fault to every rank training again, by fault class", labels=["run", "class"]
+    )
+    for run, rep in rows:
+        for cls, g in rep.by_class.items():
+            values = [
+                f.recovery_s
+                for f in rep.faults
+                if f.fault_class == cls and f.recovery_s is not None
+            ]
+            for q, attr in QUANTILES:
+                v = getattr(g, attr)
+                if v is not None:
+                    s.samples.append(Sample(name, {"run": run, "class": cls, "quantile": q}, v))
+            s.add_metric([run, cls], len(values), float(sum(values)))
+    return s
 
 
 class LedgerCollector:
@@ -95,7 +129,14 @@ class LedgerCollector:
         restarts = self._counter(
             "unbroken_restarts", "Faults restarted by a recovery layer", ["layer", "cause"]
         )
-        faults = self._counter("unbroken_faults", "Faults seen (injected or natural)", ["kind"])
+        faults = self._counter(
+            "unbroken_faults", "Faults seen (injected or natural)", ["kind", "class", "phase"]
+        )
+        failed = self._counter(
+            "unbroken_failed_restarts",
+            "Restart rounds that did not bring training back, by fault class",
+            ["class"],
+        )
         lost = self._counter("unbroken_steps_lost", "Steps rolled back by faults", [])
         skipped = self._counter("unbroken_checkpoint_saves_skipped", "Checkpoint saves skipped", [])
         commits = self._counter("unbroken_checkpoint_commits", "Checkpoints committed", [])
@@ -106,6 +147,7 @@ class LedgerCollector:
         detection: list[tuple[str, list[float]]] = []
         blocking: list[tuple[str, list[float]]] = []
         persist: list[tuple[str, list[float]]] = []
+        reports: list[tuple[str, RunReport]] = []
         for w in watches:
             rep, snap = w.report, w.snapshot
             assert rep is not None
@@ -116,16 +158,24 @@ class LedgerCollector:
                 self._add(badput, [run, cat], rep.badput_s[cat])
             self._add(fault_cost, [run], rep.fault_s)
             by_layer: dict[tuple[str, str], int] = {}
-            by_kind: dict[str, int] = {}
+            by_kind: dict[tuple[str, str, str], int] = {}
+            by_class: dict[str, int] = {}
             for f in rep.faults:
-                by_kind[str(f.kind)] = by_kind.get(str(f.kind), 0) + 1
+                k3 = (str(f.kind), f.fault_class, f.phase or UNKNOWN_PHASE)
+                by_kind[k3] = by_kind.get(k3, 0) + 1
+                by_class[f.fault_class] = by_class.get(f.fault_class, 0) + failed_restarts(f)
                 if f.disruptive and f.layer is not None:
                     k = (f.layer, str(f.cause or f.kind))
                     by_layer[k] = by_layer.get(k, 0) + 1
             for (layer, cause), n in sorted(by_layer.items()):
                 self._add(restarts, [run, layer, cause], n)
-            for kind, n in sorted(by_kind.items()):
-                self._add(faults, [run, kind], n)
+            for (kind, cls, phase), n in sorted(by_kind.items()):
+                self._add(faults, [run, kind, cls, phase], n)
+            for cls, n in sorted(by_class.items()):
+                self._add(failed, [run, cls], n)
+            for cls, fig in rep.by_class.items():
+                g.set("unbroken_fault_recovery_ratio", [run, cls], fig.recovery_rate)
+            reports.append((run, rep))
             self._add(lost, [run], sum(f.steps_lost or 0 for f in rep.faults))
             ck = snap.get("checkpoint", {})
             self._add(skipped, [run], ck.get("skipped_total", 0))
@@ -140,7 +190,7 @@ class LedgerCollector:
             blocking.append((run, _durations(w, ev.CKPT_STAGE)))
             persist.append((run, _durations(w, ev.CKPT_PERSIST)))
         yield from (wall, productive, badput, fault_cost, restarts, faults, lost, skipped, commits)
-        yield launcher
+        yield from (launcher, failed, _recovery_by_class(reports))
         yield _histogram(
             "unbroken_recovery_seconds", "Fault to every rank training again", recovery
         )
@@ -186,6 +236,10 @@ class _Gauges:
         "unbroken_rank_step_deviation_ratio": ("Rank step time / median over ranks - 1", ["rank"]),
         "unbroken_restart_budget_used_ratio": ("Launcher restarts used / --max-restarts", []),
         "unbroken_alerts": ("Alerts raised, by rule and severity", ["name", "severity"]),
+        "unbroken_fault_recovery_ratio": (
+            "Faults after which training resumed / faults, by fault class",
+            ["class"],
+        ),
         "unbroken_ledger_torn_lines": ("Ledger files whose last line is cut", []),
         "unbroken_ledger_bad_lines": ("Complete ledger lines that did not parse", []),
     }

@@ -196,6 +196,8 @@ def build(
         "badput_s": report.badput_s,
         "series": {"t": [p[0] for p in series], "step": [p[1] for p in series]},
         "faults": faults,
+        "by_class": {k: g.to_dict() for k, g in report.by_class.items()},
+        "by_phase": {k: g.to_dict() for k, g in report.by_phase.items()},
         "checkpoint": _checkpoint(index, points, now),
         "ranks": _ranks(index, now),
         "restarts": {

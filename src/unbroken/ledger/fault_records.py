@@ -4,6 +4,7 @@ every fault, and ``FaultRecord`` says what each cost.
 The rules are the "Faults" part of ``goodput``'s contract (its module docstring); ``compute``
 there calls ``walk_faults`` and ``fault_record`` and folds the outages into the partition.
 ``Timeline`` indexes the reference rank's steps and checkpoint loads, built once.
+``fault_classes`` gives each fault its class and phase.
 """
 
 from __future__ import annotations
@@ -11,18 +12,20 @@ from __future__ import annotations
 import bisect
 from array import array
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from unbroken.ledger.events import (
     CKPT_LOAD,
     FAULT_DETECTED,
     FAULT_INJECTED,
+    JOB_END,
     RESTART_BEGIN,
     RESTART_END,
     STEP,
     Event,
 )
+from unbroken.ledger.fault_classes import STEP_PHASE, fault_class
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -63,9 +66,22 @@ class FaultRecord:
     """False for a fault that ended no process (no outage: zero downtime)."""
     ckpt_skips: int | None = None
     """Non-disruptive faults: distinct steps whose save was skipped while it was the latest."""
+    phase: str | None = None
+    """Where it fired: the injected record's ``phase``, else ``step``; a natural fault's is its
+    detection's ``phase``, else None (see ``fault_classes``)."""
+    fault_class: str = "other"
+    """exception, hang, crash, node, storage, degradation or other (see ``fault_classes``)."""
+    restarts: int = 0
+    """Distinct restart rounds (``restart_begin``) that acted on it while it was open."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+    @classmethod
+    def from_dict(cls, obj: Mapping[str, Any]) -> FaultRecord:
+        """The record ``to_dict`` gave (keys it does not know are ignored)."""
+        names = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in obj.items() if k in names})
 
 
 @dataclass
@@ -86,6 +102,9 @@ class OpenFault:
     resume_ts: float | None = None
     resume_step: int | None = None
     disruptive: bool = True
+    phase: str | None = None
+    rounds: set[tuple[Any, ...]] = field(default_factory=set)
+    """Restart rounds that acted on it: (layer, round) or (layer, attempt, iteration)."""
 
     def current_threshold(self) -> float:
         parts = [self.fault_ts]
@@ -189,6 +208,8 @@ def fault_record(
             restored_step=None,
             disruptive=False,
             ckpt_skips=skips,
+            phase=f.phase,
+            fault_class=fault_class(f.kind, injected=f.injected),
         )
     recovery_s = downtime_s = None
     steps_lost = None
@@ -215,6 +236,9 @@ def fault_record(
         steps_lost=steps_lost,
         restore_tier=None if load is None else opt_str(load.get("tier")),
         restored_step=None if load is None else opt_int(load.get("step")),
+        phase=f.phase,
+        fault_class=fault_class(f.kind, injected=f.injected),
+        restarts=len(f.rounds),
     )
 
 
@@ -247,6 +271,16 @@ def _outer(layer: str | None, other: Any) -> str | None:
     return layer
 
 
+def restart_round(e: Event) -> tuple[Any, ...]:
+    """Which restart round a ``restart_begin`` record is part of: every rank of an in-process
+    restart writes one with the same attempt and iteration; every node's launcher agent one
+    with the same ``round``."""
+    layer = opt_str(e.get("layer"))
+    if e.get("round") is not None:
+        return (layer, "round", e.get("round"))
+    return (layer, e.attempt, e.iteration)
+
+
 def walk_faults(ordered: list[Event], ref: int) -> list[OpenFault]:
     """Open, detect, attach restarts to and resume faults, in event order."""
     faults: list[OpenFault] = []
@@ -260,6 +294,7 @@ def walk_faults(ordered: list[Event], ref: int) -> list[OpenFault]:
                 kind=opt_str(e.get("fault")),
                 step=opt_int(e.get("step")),
                 injected=True,
+                phase=opt_str(e.get("phase")) or STEP_PHASE,
             )
             faults.append(f)
             if e.get("disruptive", True) is False:  # nothing to recover: never opened
@@ -282,6 +317,7 @@ def walk_faults(ordered: list[Event], ref: int) -> list[OpenFault]:
                     kind=opt_str(e.get("cause")),
                     step=None,
                     injected=False,
+                    phase=opt_str(e.get("phase")),
                 )
                 faults.append(target)
                 open_.append(target)
@@ -294,6 +330,13 @@ def walk_faults(ordered: list[Event], ref: int) -> list[OpenFault]:
                 f.layer = _outer(f.layer, e.get("layer"))
                 if kind == RESTART_END:
                     f.last_restart_end = float(e.ts)
+                else:
+                    f.rounds.add(restart_round(e))
+        elif kind == JOB_END and e.get("status") == "failed" and e.get("round") is not None:
+            # The agent wrote that round's restart_begin as it stopped the workers, then gave
+            # up (restart budget, no progress) instead of restarting: no restart was tried.
+            for f in open_:
+                f.rounds.discard(("launcher", "round", e.get("round")))
         elif kind == STEP and e.rank == ref and open_:
             begin = float(e.begin)
             still_open = []

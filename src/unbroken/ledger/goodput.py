@@ -55,6 +55,15 @@ Faults (one walk over the events in order)
       is the highest step number of a reference-rank step record with ``ts`` <= fault time
       (-1 if none) and first_step_after is the number of the resuming step. The last three
       are None when the fault never resumed.
+    * ``phase``: the ``phase`` of the ``fault_injected`` record, ``step`` when it names none;
+      for a natural fault the ``phase`` of the detection that opened it, else None.
+      ``fault_class``: from the injected ``fault`` kind, or the natural fault's cause
+      (``fault_classes``). ``restarts``: the distinct restart rounds among the
+      ``restart_begin`` records met while the fault was open, a round being (layer, ``round``)
+      when the record has a ``round``, else (layer, attempt, iteration): the per-rank records
+      of one round count once. A ``job_end`` with status ``failed`` and a ``round`` takes the
+      launcher's round of that number back from every open fault (the agent gave up instead
+      of restarting).
 
 Partition of [t0, t1]
     Each category below is a set of intervals; every elementary piece of [t0, t1] is assigned
@@ -103,13 +112,18 @@ Figures
       ``num_attempts``: distinct ``attempt`` values; ``num_iterations``: max ``iteration`` + 1.
     * ``step_time_s_median``: median ``dur_s`` of surviving steps (None if none);
       ``recovery_s_median``/``recovery_s_max``: over faults with a ``recovery_s`` (else None).
+    * ``by_class``/``by_phase``: ``fault_summary.by_class``/``by_phase`` of the faults:
+      per class and per phase, recovery rate, recovery time p50/p95/max, failed restart
+      attempts, steps lost per incident, detection p50 (defined in ``fault_summary``).
 
 Cost: O(n log n) in the number of events. Other ranks' step records may come folded
 (``reader.StepDigest``: ``read_run(fold_steps_except=reference_rank)``): they inform only
 ``t0``/``t1``, ``recovered_ts``, ``run``, ``num_attempts`` and ``num_iterations``, which read
 the digest alike, so the report is the same and its memory 16 bytes per folded step.
 
-Files: this one (the partition and the figures) and ``fault_records`` (the walk over faults).
+Files: this one (the partition and the figures), ``fault_records`` (the walk over faults),
+``fault_classes`` (a fault's class and phase) and ``fault_summary`` (the figures per class and
+per phase).
 """
 
 from __future__ import annotations
@@ -117,7 +131,7 @@ from __future__ import annotations
 import statistics
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from unbroken.ledger.events import (
@@ -148,6 +162,7 @@ from unbroken.ledger.fault_records import (
     skips_after,
     walk_faults,
 )
+from unbroken.ledger.fault_summary import FaultFigures, by_class, by_phase
 from unbroken.ledger.reader import StepDigest
 
 __all__ = ["BADPUT_CATEGORIES", "CATEGORIES", "OTHER", "FaultRecord", "RunReport", "compute"]
@@ -249,10 +264,16 @@ class RunReport:
     """Median recovery_s over recovered faults."""
     recovery_s_max: float | None
     """Max recovery_s over recovered faults."""
+    by_class: dict[str, FaultFigures] = field(default_factory=dict)
+    """Recovery figures per fault class (``fault_summary``)."""
+    by_phase: dict[str, FaultFigures] = field(default_factory=dict)
+    """Recovery figures per phase the faults fired in (``fault_summary``)."""
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
         out["faults"] = [f.to_dict() for f in self.faults]
+        out["by_class"] = {k: v.to_dict() for k, v in self.by_class.items()}
+        out["by_phase"] = {k: v.to_dict() for k, v in self.by_phase.items()}
         out["badput_s"] = {k: float(v) for k, v in self.badput_s.items()}
         return out
 
@@ -438,4 +459,6 @@ def compute(
         step_time_s_median=float(statistics.median(surviving_durs)) if surviving_durs else None,
         recovery_s_median=float(statistics.median(recoveries)) if recoveries else None,
         recovery_s_max=float(max(recoveries)) if recoveries else None,
+        by_class=by_class(records),
+        by_phase=by_phase(records),
     )

@@ -1,7 +1,7 @@
 """A self-contained HTML report of one or more runs: inline SVG charts, no script, no network.
 
 Charts: step vs wall time per run with faults marked; a goodput/badput bar per run; a per-fault
-table. Every chart is plain SVG computed here, so the file renders the same in any browser,
+table; the recovery figures per fault class and per phase. Every chart is plain SVG computed here, so the file renders the same in any browser,
 offline, and a test can check that each chart has drawn marks.
 """
 
@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from unbroken.ledger.events import STEP, Event
+from unbroken.ledger.fault_summary import FaultFigures
 from unbroken.ledger.goodput import RunReport
 
 # One colour per category; productive first. Colour-blind-safe-ish (Okabe-Ito + greys).
@@ -209,13 +210,15 @@ def _summary_table(views: Sequence[RunView]) -> str:
 
 def _fault_table(views: Sequence[RunView]) -> str:
     head = (
-        "<tr><th>run</th><th>#</th><th>kind</th><th>rank</th><th>step</th><th>cause</th>"
+        "<tr><th>run</th><th>#</th><th>kind</th><th>class</th><th>phase</th><th>rank</th>"
+        "<th>step</th><th>cause</th>"
         "<th>detector</th><th>layer</th><th>detection s</th><th>recovery s</th>"
         "<th>steps lost</th><th>restore tier</th></tr>"
     )
     rows = [
         f"<tr><td>{_esc(v.label)}</td><td>{f.index}</td><td>{_esc(f.kind)}</td>"
-        f"<td>{f.rank}</td><td>{'–' if f.step is None else f.step}</td>"
+        f"<td>{_esc(f.fault_class)}</td><td>{_esc(f.phase or '–')}</td><td>{f.rank}</td>"
+        f"<td>{'–' if f.step is None else f.step}</td>"
         f"<td>{_esc(f.cause or '–')}</td><td>{_esc(f.detector or '–')}</td>"
         f"<td>{_esc(f.layer or '–')}</td><td>{_fmt(f.detection_s)}</td>"
         f"<td>{_fmt(f.recovery_s)}</td>"
@@ -229,12 +232,42 @@ def _fault_table(views: Sequence[RunView]) -> str:
     return f'<table class="faults">{head}{"".join(rows)}</table>'
 
 
+def _group_row(label: str, name: str, g: FaultFigures) -> str:
+    lost_mean = "–" if g.steps_lost_mean is None else f"{g.steps_lost_mean:.1f}"
+    return (
+        f"<tr><td>{_esc(label)}</td><td>{_esc(name)}</td><td>{g.faults}</td>"
+        f"<td>{g.recovered} ({_pct(g.recovery_rate)})</td><td>{_fmt(g.recovery_s_p50)}</td>"
+        f"<td>{_fmt(g.recovery_s_p95)}</td><td>{_fmt(g.recovery_s_max)}</td>"
+        f"<td>{g.failed_restarts}</td><td>{g.steps_lost}</td>"
+        f"<td>{'–' if g.steps_lost_max is None else g.steps_lost_max}</td><td>{lost_mean}</td>"
+        f"<td>{_fmt(g.detection_s_p50)}</td></tr>"
+    )
+
+
+def fault_group_table(views: Sequence[RunView], *, key: str) -> str:
+    """A table of each run's recovery figures per fault ``key``: "class" or "phase"."""
+    head = (
+        f"<tr><th>run</th><th>{_esc(key)}</th><th>faults</th><th>recovered</th>"
+        "<th>recovery p50 s</th><th>p95 s</th><th>max s</th><th>failed restarts</th>"
+        "<th>steps lost</th><th>most lost</th><th>lost/incident</th><th>detection p50 s</th></tr>"
+    )
+    rows = [
+        _group_row(v.label, name, g)
+        for v in views
+        for name, g in (v.report.by_class if key == "class" else v.report.by_phase).items()
+    ]
+    if not rows:
+        return ""
+    return f'<table class="fault-groups by-{_esc(key)}">{head}{"".join(rows)}</table>'
+
+
 _CSS = """
 body{font-family:system-ui,sans-serif;margin:24px;color:#222;max-width:1000px}
 h1{font-size:22px}h2{font-size:17px;margin-top:28px}
 table{border-collapse:collapse;font-size:13px}td,th{border:1px solid #ccc;padding:3px 8px;
 text-align:right}th{background:#f3f3f3}td:first-child,th:first-child{text-align:left}
 .note{color:#555;font-size:13px}
+.fault-groups td:nth-child(2),.fault-groups th:nth-child(2){text-align:left}
 """
 
 
@@ -255,5 +288,14 @@ def render(views: Sequence[RunView], *, title: str = "unbroken goodput report") 
         "<p class='note'>Dashed lines mark faults; a drop in a line is a rollback.</p>"
         f"<h2>Where the time went</h2>{breakdown_chart(views)}"
         f"<h2>Faults</h2>{_fault_table(views)}"
-        "</body></html>"
+        + (
+            f"<h2>Recovery per fault class</h2>{fault_group_table(views, key='class')}"
+            f"<h2>Recovery per phase</h2>{fault_group_table(views, key='phase')}"
+            "<p class='note'>recovered: training resumed after the fault; failed restarts: "
+            "restart rounds that did not bring training back; p95 is linear between the two "
+            "nearest ranks.</p>"
+            if any(v.report.faults for v in views)
+            else ""
+        )
+        + "</body></html>"
     )

@@ -5,11 +5,14 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 
+from unbroken.ledger.fault_summary import FaultFigures
 from unbroken.ledger.goodput import RunReport
 
 _FAULT_HEADERS = (
     "#",
     "kind",
+    "class",
+    "phase",
     "rank",
     "step",
     "detector",
@@ -49,6 +52,48 @@ def _table(headers: Sequence[str], rows: Sequence[Sequence[str]], *, right: set[
     out = [line(headers), "  ".join("-" * w for w in widths)]
     out.extend(line(row) for row in rows)
     return out
+
+
+GROUP_HEADERS = (
+    "faults",
+    "recovered",
+    "recovery p50 s",
+    "p95 s",
+    "max s",
+    "failed restarts",
+    "steps lost",
+    "most lost",
+    "lost/incident",
+    "detection p50 s",
+)
+"""The columns of ``fault_group_table`` after its key columns (``FaultFigures``' figures)."""
+
+
+def _group_cells(g: FaultFigures) -> list[str]:
+    return [
+        str(g.faults),
+        f"{g.recovered} ({g.recovery_rate * 100:.0f}%)",
+        _secs(g.recovery_s_p50),
+        _secs(g.recovery_s_p95),
+        _secs(g.recovery_s_max),
+        str(g.failed_restarts),
+        str(g.steps_lost),
+        _text(g.steps_lost_max),
+        "-" if g.steps_lost_mean is None else f"{g.steps_lost_mean:.1f}",
+        _secs(g.detection_s_p50),
+    ]
+
+
+def fault_group_table(
+    key_headers: Sequence[str], rows: Sequence[tuple[Sequence[str], FaultFigures]]
+) -> list[str]:
+    """Lines of an aligned table of fault figures, one row per (key cells, figures): per class,
+    per phase, per configuration and class, ..."""
+    cells = [[*keys, *_group_cells(g)] for keys, g in rows]
+    n = len(key_headers)
+    return _table(
+        (*key_headers, *GROUP_HEADERS), cells, right=set(range(n, n + len(GROUP_HEADERS)))
+    )
 
 
 def format_table(report: RunReport) -> str:
@@ -101,6 +146,8 @@ def format_table(report: RunReport) -> str:
             [
                 str(f.index),
                 _text(f.kind),
+                f.fault_class,
+                _text(f.phase),
                 str(f.rank),
                 _text(f.step),
                 _text(f.detector),
@@ -112,7 +159,13 @@ def format_table(report: RunReport) -> str:
             ]
             for f in report.faults
         ]
-        lines += _table(_FAULT_HEADERS, rows, right={0, 2, 3, 6, 7, 8})
+        lines += _table(_FAULT_HEADERS, rows, right={0, 4, 5, 8, 9, 10})
+        for title, key, groups in (
+            ("faults by class", "class", report.by_class),
+            ("faults by phase", "phase", report.by_phase),
+        ):
+            lines += ["", title]
+            lines += fault_group_table((key,), [((name,), g) for name, g in groups.items()])
     else:
         lines.append("no faults")
     return "\n".join(lines) + "\n"

@@ -129,13 +129,28 @@ function renderBadput(snap) {
 
 function renderFaults(snap) {
   const rows = (snap.faults || []).map((f) => [
-    f.index, f.kind || "–", f.rank, fmt.int(f.step), f.cause || "–", f.detector || "–",
+    f.index, f.kind || "–", f.fault_class || "–", f.phase || "–", f.rank, fmt.int(f.step), f.cause || "–", f.detector || "–",
     f.layer || "–", fmt.s(f.detection_s, 3), fmt.s(f.recovery_s, 3), fmt.int(f.steps_lost),
     f.restore_tier || "–", fmt.int(f.restored_step),
   ]);
   fillTable(document.getElementById("faults"),
-    ["#", "kind", "rank", "step", "cause", "detector", "layer", "detection s", "recovery s",
+    ["#", "kind", "class", "phase", "rank", "step", "cause", "detector", "layer", "detection s", "recovery s",
       "steps lost", "restore tier", "restored step"], rows);
+}
+
+function renderFaultGroups(snap) {
+  const headers = ["faults", "recovered", "recovery s p50 / p95 / max", "failed restarts",
+    "steps lost (max, per incident)", "detection s p50"];
+  document.getElementById("fault-groups").hidden = !(snap.faults || []).length;
+  for (const [id, key] of [["by-class", "class"], ["by-phase", "phase"]]) {
+    const groups = snap["by_" + key] || {};
+    fillTable(document.getElementById(id), [key, ...headers], Object.entries(groups).map(([name, g]) => [
+      name, g.faults, `${g.recovered} (${fmt.pct(g.recovery_rate)})`,
+      `${fmt.s(g.recovery_s_p50)} / ${fmt.s(g.recovery_s_p95)} / ${fmt.s(g.recovery_s_max)}`,
+      g.failed_restarts, `${g.steps_lost} (${fmt.int(g.steps_lost_max)}, ${fmt.s(g.steps_lost_mean, 1)})`,
+      fmt.s(g.detection_s_p50, 3),
+    ]));
+  }
 }
 
 function renderCheckpoint(snap) {
@@ -191,6 +206,7 @@ function render(snap) {
   renderStepChart(snap);
   renderBadput(snap);
   renderFaults(snap);
+  renderFaultGroups(snap);
   renderCheckpoint(snap);
   renderRanks(snap);
   const l = snap.ledger;
