@@ -5,7 +5,8 @@ The plain scripts are fault-free references and run unchanged; the adopted scrip
 faults from a plan in ``UNBROKEN_FAULTS`` (``unbroken.run`` fires it from ``ctx.step_done``; the
 script has no fault code); the plain DDP script gets the same plan from a test shim that fires
 it from a global optimizer hook and then runs the script untouched. Five 2-rank runs of a
-40-step tiny model: ~40 s on an idle 2-core machine.
+40-step tiny model: ~40 s on an idle 2-core machine. A script nobody here wrote (pytorch/examples'
+FSDP2 example, adopted): test_upstream_example.py.
 """
 
 from __future__ import annotations

@@ -26,7 +26,11 @@ README = (ROOT / "README.md").read_text()
 VENV_BIN = Path(sys.executable).parent
 PROGRAMS = ("unbroken", "unbroken-run", "python", "make")
 MAX_ADDED_LINES = 10
-PAIRS = [("plain_fsdp.py", "fsdp.py"), ("plain_ddp.py", "ddp.py")]
+PAIRS = [
+    ("plain_fsdp.py", "fsdp.py"),
+    ("plain_ddp.py", "ddp.py"),
+    ("upstream/fsdp2/plain_example.py", "upstream/fsdp2/example.py"),  # pytorch/examples' own
+]
 
 _FENCE = re.compile(r"^```(\w*)\n(.*?)^```", re.M | re.S)
 _FLAG = re.compile(r"--[a-z][a-z0-9_-]*")
