@@ -50,6 +50,7 @@ UNBROKEN_HARD_TIMEOUT_S = "UNBROKEN_HARD_TIMEOUT_S"
 UNBROKEN_PHASE_TIMEOUTS = "UNBROKEN_PHASE_TIMEOUTS"
 UNBROKEN_PG_TIMEOUT_S = "UNBROKEN_PG_TIMEOUT_S"
 UNBROKEN_MAX_RANK_FAULTS = "UNBROKEN_MAX_RANK_FAULTS"
+UNBROKEN_FINAL_DIGEST = "UNBROKEN_FINAL_DIGEST"
 OVERRIDE_NAMES = (
     UNBROKEN_CKPT_MODE,
     UNBROKEN_CKPT_EVERY,
@@ -61,6 +62,7 @@ OVERRIDE_NAMES = (
     UNBROKEN_PHASE_TIMEOUTS,
     UNBROKEN_PG_TIMEOUT_S,
     UNBROKEN_MAX_RANK_FAULTS,
+    UNBROKEN_FINAL_DIGEST,
 )
 
 
@@ -238,6 +240,9 @@ class Overrides:
     """``UNBROKEN_PG_TIMEOUT_S``: the collective timeout (``RestartConfig.pg_timeout_s``)."""
     max_rank_faults: int | None = None
     """``UNBROKEN_MAX_RANK_FAULTS``: faults of one rank before in-process restart hands over."""
+    final_digest: bool | None = None
+    """``UNBROKEN_FINAL_DIGEST``: 1 records a digest of each rank's final state in the ledger
+    (``CheckpointConfig.final_digest``)."""
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str] | None = None) -> Overrides:
@@ -257,6 +262,7 @@ class Overrides:
             phase_timeouts_s=_phase_timeouts(e),
             pg_timeout_s=_seconds(e, UNBROKEN_PG_TIMEOUT_S),
             max_rank_faults=_count(e, UNBROKEN_MAX_RANK_FAULTS, 1),
+            final_digest=_flag(e, UNBROKEN_FINAL_DIGEST),
         )
 
     def given(self) -> dict[str, object]:

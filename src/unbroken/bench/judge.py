@@ -1,6 +1,9 @@
 """Did a recovered run end where a fault-free one does? By hash where the script is
 deterministic, by loss curve where it is not.
 
+The hash is the ``final_state_sha256=`` a script prints, or else (``ledger_digest``) the digest
+of every rank's final state its Checkpointers recorded in the ledger.
+
 Every fault-free run of a benchmark (``clean``, the ``-nofault`` twins) is a reference. When
 they all printed the same ``final_state_sha256``, the script is deterministic here, and a
 faulted run matches when its hash equals theirs. When they printed different hashes, the
@@ -15,12 +18,13 @@ the ledger (a plain script) or without any hash, nothing is checked, and the row
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from unbroken.ledger import Event, read_run
 from unbroken.ledger import events as ev
-from unbroken.ledger import read_run
 
 REL_TOL = 1e-4
 """The least band half-width, relative to the loss."""
@@ -60,6 +64,22 @@ def losses(run_dir: Path, *, rank: int = 0) -> dict[int, float]:
         if int(step) not in out or e.ts >= out[int(step)][0]:
             out[int(step)] = (e.ts, float(loss))
     return {k: v for k, (_, v) in out.items()}
+
+
+def ledger_digest(events: Sequence[Event]) -> str | None:
+    """The run's final state as its Checkpointers recorded it (``final_state`` records, the
+    last one of each rank): one hex SHA-256 over the ranks' digests in rank order; None when a
+    run recorded none (no Checkpointer, or ``UNBROKEN_FINAL_DIGEST`` unset)."""
+    last: dict[int, tuple[float, str]] = {}
+    for e in events:
+        if e.kind != ev.FINAL_STATE or e.rank < 0 or not e.get("digest"):
+            continue
+        if e.rank not in last or e.ts >= last[e.rank][0]:
+            last[e.rank] = (e.ts, str(e.get("digest")))
+    if not last:
+        return None
+    joined = ";".join(f"{rank}:{digest}" for rank, (_, digest) in sorted(last.items()))
+    return hashlib.sha256(joined.encode()).hexdigest()
 
 
 def references_agree(hashes: Sequence[str | None]) -> bool | None:

@@ -45,7 +45,7 @@ from pathlib import Path
 from typing import Any
 
 from unbroken.bench.fault_classes import format_fault_classes
-from unbroken.bench.judge import judge, losses, references_agree
+from unbroken.bench.judge import judge, ledger_digest, losses, references_agree
 from unbroken.bench.recovery_configs import CONFIGS, Workload, run_config
 from unbroken.bench.recovery_table import (
     ConfigResult,
@@ -173,6 +173,7 @@ def run_bench(a: argparse.Namespace) -> list[ConfigResult]:
         res.final_state_sha256 = _final_hash(run_dir, output)
         try:
             events = read_events(run_dir)
+            res.final_digest = ledger_digest(events)
             report = goodput.compute(events)
             res.figures, res.view = report.to_dict(), RunView(res.name, report, events)
         except (FileNotFoundError, ValueError) as e:
@@ -209,8 +210,13 @@ def _final_hash(run_dir: Path, output: str) -> str | None:
 
 
 def _judge(results: list[ConfigResult], out_dir: Path) -> None:
-    """Each run against the fault-free runs (``judge``); says how they were judged."""
+    """Each run against the fault-free runs (``judge``); says how they were judged. The hash
+    compared is the one the script prints where the fault-free runs printed one, else the
+    digest its Checkpointers recorded (``UNBROKEN_FINAL_DIGEST``)."""
     refs = [r for r in results if not CONFIGS[r.config].faulted]
+    if not any(r.final_state_sha256 for r in refs):
+        for r in results:
+            r.final_state_sha256, r.hash_source = r.final_digest, "digest"
     ref_hashes = [r.final_state_sha256 for r in refs]
     agree = references_agree(ref_hashes)
     curves = [losses(out_dir / r.name) for r in refs]

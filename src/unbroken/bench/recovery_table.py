@@ -42,6 +42,10 @@ class ConfigResult:
     """Its training goodput below the reference's, a share (``set_gaps``)."""
     run: int = 1
     """Which round of ``--repeat`` this is (1 for the first)."""
+    final_digest: str | None = None
+    """The final state as the run's Checkpointers recorded it (``judge.ledger_digest``)."""
+    hash_source: str = "printed"
+    """Where ``final_state_sha256`` came from: "printed" (or final.json) or "digest"."""
     verdict: str = ""
     """The correctness column: "yes"/"NO" (by hash), "loss 98%"/"LOSS 60%" (by loss curve),
     "unchecked" (``unbroken.bench.judge``)."""
@@ -79,6 +83,7 @@ class ConfigResult:
             "goodput_gap": self.gap,
             "final_state_sha256": self.final_state_sha256,
             "matches_clean": self.matches_clean,
+            "hash_source": self.hash_source,
             "judged_by": self.judged_by,
             "loss_within": self.loss_within,
             "by_class": f.get("by_class", {}),

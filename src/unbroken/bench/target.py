@@ -142,6 +142,7 @@ def configuration_env(
     env[uenv.OMP_NUM_THREADS] = "1"
     env[uenv.UNBROKEN_RUN_DIR] = str(run_dir)
     env[uenv.UNBROKEN_INPROCESS] = "1" if inprocess else "0"
+    env[uenv.UNBROKEN_FINAL_DIGEST] = "1"  # the final state, for scripts that print no hash
     if ckpt_mode is not None:
         env[uenv.UNBROKEN_CKPT_MODE] = ckpt_mode
     if not memory_tier:

@@ -54,6 +54,7 @@ import torch.distributed as dist
 from unbroken.checkpoint import layout, node, rescue, tiers
 from unbroken.checkpoint.adaptive import AdaptiveSaves
 from unbroken.checkpoint.config import CheckpointConfig, CheckpointError, overridden
+from unbroken.checkpoint.extras import StateExtras
 from unbroken.checkpoint.hooks import WriterHooks, offered
 from unbroken.checkpoint.inflight import CheckpointStats, Inflight
 from unbroken.checkpoint.resolve import ResolveCache, plan_args, resolve_for_save
@@ -139,6 +140,7 @@ class Checkpointer:
         self._last_step: int | None = None
         self._cache = ResolveCache()
         self._notes = rescue.Notes()
+        self._extras = StateExtras(self.config)  # the generators; the state for the digest
         self._closed = False
         # Before the writer and the arena exist: nothing of another job's is touched.
         self._claim = owner.claim(self.root, job=job, takeover=True)
@@ -188,6 +190,7 @@ class Checkpointer:
         if not (self.config.memory_tier and self.config.rescue) or self._closed:
             return False
         t0, o, w = time.time(), self.config.overlap, self.world_size
+        state = self._extras.full(state)
         args = plan_args(state, rank=self.rank, world_size=w, overlap=o, stage_all=True)
         if not self._notes.take(step, state, self._cache.plan, args):
             return False  # refused at once (before the first save, a model with buffers)
@@ -199,7 +202,7 @@ class Checkpointer:
             return self._stage_now(step, state, durable=durable)
 
     def _stage_now(self, step: int, state: Mapping[str, Any], *, durable: bool) -> bool:
-        t0 = time.time()
+        t0, state = time.time(), self._extras.full(state)
         self._check()
         if step == self._last_step:
             return False
@@ -359,6 +362,7 @@ class Checkpointer:
         except BaseException:
             self.abort()
             raise
+        self._extras.record_digest(self._ledger, self._last_step)
         self._stop()
         fatal = self._inflight.fatal
         if fatal and not self._inflight.fatal_raised:
@@ -376,7 +380,7 @@ class Checkpointer:
             return self._restore(state)
 
     def _restore(self, state: Mapping[str, Any]) -> int | None:
-        t0 = time.time()
+        t0, state = time.time(), self._extras.full(state)
         arena, self._adopted = self._adopted, None
         step, held, why = tiers.restore_recorded(
             state,
@@ -413,8 +417,7 @@ class Checkpointer:
 
     def latest(self) -> int | None:
         """The newest committed step (its files are not checked), or None."""
-        steps = layout.committed_steps(self.root)
-        return steps[0] if steps else None
+        return next(iter(layout.committed_steps(self.root)), None)
 
     @property
     def last_committed(self) -> int | None:
@@ -427,15 +430,13 @@ class Checkpointer:
 
     @property
     def staging_bytes(self) -> int:
-        """Bytes of shared staging memory this rank holds for its snapshots (0 before the
-        first save)."""
+        """Bytes of shared staging memory this rank holds for its snapshots (0: none yet)."""
         return self._staging.size
 
     @property
     def writer_pid(self) -> int | None:
         """Pid of this rank's writer process, or None before it is started."""
-        writer = self._inflight.writer
-        return writer.pid if writer else None
+        return self._inflight.writer.pid if self._inflight.writer else None
 
     def __enter__(self) -> Checkpointer:
         return self

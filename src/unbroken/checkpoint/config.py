@@ -98,6 +98,15 @@ class CheckpointConfig:
     rank's newest snapshot (``unbroken.checkpoint.peers``); (): no peer tier."""
     peer_index: int = -1
     """This node's position in ``peers`` (its group rank); snapshots go to the next one."""
+    rng: bool = True
+    """Save and restore this process's random number generators (torch CPU and CUDA, Python's
+    ``random``, numpy's) with every save, snapshot and note, per rank (``extras``): a resumed
+    run draws the numbers the uninterrupted one would have. False: the script restores its own
+    (or none)."""
+    final_digest: bool = False
+    """``close`` records this rank's digest of the last state it was given (a ``final_state``
+    ledger record: ``digest``), which a benchmark compares across runs
+    (``UNBROKEN_FINAL_DIGEST=1``); it reads the whole state once."""
     adaptive: bool = False
     """``maybe_save`` picks the durable interval itself (Young/Daly from each save's measured
     cost and the failure rate: ``unbroken.checkpoint.adaptive``), starting at ``every_steps``.
@@ -200,6 +209,8 @@ def overridden(config: CheckpointConfig, overrides: Overrides) -> CheckpointConf
         fields["mode"] = overrides.ckpt_mode
     if overrides.ckpt_every is not None:
         fields["every_steps"] = overrides.ckpt_every
+    if overrides.final_digest is not None:
+        fields["final_digest"] = overrides.final_digest
     if overrides.memory_tier is False:
         if overrides.snapshot_every:
             raise ValueError(

@@ -39,6 +39,9 @@ RESTART_END = "restart_end"  # data: layer
 WORKER_EXIT = "worker_exit"  # data: exit_code, signal
 ESCALATE = "escalate"  # data: reason
 JOB_END = "job_end"  # data: status ("ok" | "failed"), final_state_sha256
+# A digest of the state a rank holds when its Checkpointer closes (``final_digest``: what a
+# benchmark compares across runs). data: step, digest
+FINAL_STATE = "final_state"
 # A self-tuned setting took a (new) value: a calibrated hang timeout or the adaptive durable
 # checkpoint interval. data: name, value, previous (None at first), layer, basis figures.
 TUNED = "tuned"
@@ -66,6 +69,7 @@ KINDS = frozenset(
         JOB_END,
         TUNED,
         ALERT,
+        FINAL_STATE,
     }
 )
 

@@ -57,7 +57,6 @@ from unbroken.workload import model as wmodel
 from unbroken.workload import saving
 from unbroken.workload.flags import WRITER_PRIORITIES, build_parser, check_args
 from unbroken.workload.parallel import wrap_model
-from unbroken.workload.rng import capture_rng_state, restore_rng_state
 from unbroken.workload.rundir import claim_dirs, default_run_dir, job_identity
 from unbroken.workload.statehash import state_sha256
 
@@ -79,16 +78,6 @@ def final_state_hash(model: torch.nn.Module, optim: torch.optim.Optimizer) -> st
         "optim": get_optimizer_state_dict(model, optim, options=opts),
     }
     return state_sha256(state)
-
-
-class _RngState:
-    """This process's RNG streams as a Stateful (saved per rank)."""
-
-    def state_dict(self) -> dict[str, Any]:
-        return capture_rng_state()
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        restore_rng_state(state)
 
 
 class _Progress:
@@ -175,8 +164,7 @@ def train(args: argparse.Namespace, ctx: unbroken.RestartContext) -> str:
         state = {
             "model": model,
             "optim": optim,
-            "data": sampler,
-            "rng": unbroken.PerRank(_RngState()),
+            "data": sampler,  # the RNG streams: the Checkpointer's own (CheckpointConfig.rng)
             "progress": progress,
         }
         start = 0 if ckpt is None else ckpt.resume(state)
