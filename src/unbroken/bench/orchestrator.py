@@ -97,6 +97,7 @@ def baseline_objects(
     claim: str | None = None,
     mount: str | None = None,
     env: dict[str, str] | None = None,
+    working_dir: str | None = None,
 ) -> list[dict[str, Any]]:
     """Kubernetes alone: a headless-DNS JobSet of ``nodes`` pods × ``nproc`` ranks (see above)."""
     master = f"{name}-{REPLICATED_JOB}-0-0.{name}"
@@ -152,6 +153,8 @@ def baseline_objects(
         "env": container_env,
         "ports": [{"name": "store", "containerPort": STORE_PORT}],
     }
+    if working_dir is not None:
+        container["workingDir"] = working_dir
     pod: dict[str, Any] = {
         "restartPolicy": "Never",
         "terminationGracePeriodSeconds": 5,
@@ -226,9 +229,10 @@ def run_orchestrated(
     cfg: OrchestratorConfig,
     run_id: str | None = None,
     env: dict[str, str] | None = None,
+    cwd: Path | None = None,
 ) -> OrchestratorResult:
     """Run ``cmd`` as ``cfg.nproc`` one-rank pods of the Kubernetes-only baseline, each with
-    ``env`` (default: this process's) under the pod's own."""
+    ``env`` (default: this process's) under the pod's own, in ``cwd`` (default: ours)."""
     run_dir.mkdir(parents=True, exist_ok=True)
     run_id = run_id or run_dir.name
     cluster = Cluster(
@@ -237,7 +241,12 @@ def run_orchestrated(
         env=dict(os.environ if env is None else env),
     )
     docs = baseline_objects(
-        name="job", nodes=cfg.nproc, nproc=1, command=cmd, max_restarts=cfg.max_restarts
+        name="job",
+        nodes=cfg.nproc,
+        nproc=1,
+        command=cmd,
+        max_restarts=cfg.max_restarts,
+        working_dir=None if cwd is None else str(cwd),
     )
     cluster.apply(docs)
     status, output = _drive(cluster, cfg, None)
@@ -285,8 +294,13 @@ def _record_baseline(
     return launch + 1, code
 
 
-def node_job(cmd: Sequence[str], *, max_restarts: int) -> list[dict[str, Any]]:
+def node_job(
+    cmd: Sequence[str], *, max_restarts: int, working_dir: str | None = None
+) -> list[dict[str, Any]]:
     """One node's launcher as the one pod of an Indexed Job (see ``run_node``)."""
+    container: dict[str, Any] = {"name": "launcher", "image": "emulated", "command": list(cmd)}
+    if working_dir is not None:
+        container["workingDir"] = working_dir
     return [
         {
             "apiVersion": "batch/v1",
@@ -313,9 +327,7 @@ def node_job(cmd: Sequence[str], *, max_restarts: int) -> list[dict[str, Any]]:
                 "template": {
                     "spec": {
                         "restartPolicy": "Never",
-                        "containers": [
-                            {"name": "launcher", "image": "emulated", "command": list(cmd)}
-                        ],
+                        "containers": [container],
                     }
                 },
             },
@@ -331,6 +343,7 @@ def run_node(
     env: dict[str, str] | None = None,
     on_line: Callable[[str], None] | None = None,
     run_id: str | None = None,
+    cwd: Path | None = None,
 ) -> OrchestratorResult:
     """Run one node's launcher (``cmd``, writing its faults under ``run_dir``) as Kubernetes runs
     the node's pod (see the module docstring); ``cfg.nproc`` is not used."""
@@ -349,7 +362,9 @@ def run_node(
         env=dict(os.environ if env is None else env),
         disrupted=disrupted,
     )
-    cluster.apply(node_job(cmd, max_restarts=cfg.max_restarts))
+    cluster.apply(
+        node_job(cmd, max_restarts=cfg.max_restarts, working_dir=None if cwd is None else str(cwd))
+    )
     status, output = _drive(cluster, cfg, on_line)
     pods = [p for p in cluster.pods if p.proc is not None]
     code = 0 if status == "Complete" else (pods[-1].exit_code if pods else 1) or 1

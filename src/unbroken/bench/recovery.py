@@ -184,6 +184,11 @@ def run_bench(a: argparse.Namespace) -> list[ConfigResult]:
             flush=True,
         )
         results.append(res)
+        if name == "clean" and code != 0:
+            raise RuntimeError(
+                f"the fault-free run failed (exit {code}): nothing to compare with; its output "
+                f"is in {out_dir / f'{res.name}.log'}"
+            )
     for name, why in skipped.items():
         print(f"not run: {name}: {why}")
     _judge(results, out_dir)
@@ -349,7 +354,11 @@ def _ingest(a: argparse.Namespace, results: list[ConfigResult]) -> None:
 
 
 def main(a: argparse.Namespace) -> int:
-    results = run_bench(a)
+    try:
+        results = run_bench(a)
+    except RuntimeError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     print()
     print(format_table(results))
     if classes := format_fault_classes(results):

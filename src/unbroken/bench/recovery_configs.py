@@ -128,6 +128,8 @@ def run_config(
 ) -> tuple[int, str]:
     """One configuration's run into ``run_dir``: (exit code, output)."""
     run_dir.mkdir(parents=True, exist_ok=True)
+    work = run_dir / "work"  # the command's working directory: no run sees another's files
+    work.mkdir(exist_ok=True)
     snapshot_every = a.snapshot_every
     if snapshot_every is None and target.reference:
         snapshot_every = 1
@@ -141,7 +143,7 @@ def run_config(
         soft_timeout_s=a.hang_timeout_s,
         # The plan's faults are injected, not a flaky rank: in-process restart keeps them
         # (the hand-over to the launcher has its own tests).
-        max_rank_faults=plan_size(plan) + 1,
+        max_rank_faults=plan_size(plan) + 1 if plan is not None else None,
         pg_timeout_s=a.pg_timeout_s,
     )
     if cfg.pods:
@@ -151,7 +153,7 @@ def run_config(
             max_restarts=a.max_restarts if cfg.faulted else 0,
             job_timeout_s=a.job_timeout_s,
         )
-        res = run_orchestrated(target.python_argv(), run_dir=run_dir, cfg=ocfg, env=env)
+        res = run_orchestrated(target.python_argv(), run_dir=run_dir, cfg=ocfg, env=env, cwd=work)
         return res.returncode, res.output
     preload = list(DEFAULT_PRELOAD)
     if target.reference:  # a restarted worker starts training at once instead of importing
@@ -197,7 +199,7 @@ def run_config(
         max_restarts=a.max_restarts,
         job_timeout_s=a.job_timeout_s,
     )
-    res = run_node(cmd, run_dir=run_dir, cfg=node, env=env, on_line=progress)
+    res = run_node(cmd, run_dir=run_dir, cfg=node, env=env, on_line=progress, cwd=work)
     return res.returncode, res.output
 
 

@@ -151,6 +151,8 @@ def configuration_env(
         env[uenv.UNBROKEN_SNAPSHOT_EVERY] = str(snapshot_every)
     if plan is not None:
         env[uenv.UNBROKEN_FAULTS] = str(plan)
+    # Each run works in a directory of its own: ``-m`` finds the modules it finds from here.
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (os.getcwd(), env.get("PYTHONPATH")) if p)
     if pg_timeout_s is not None:
         env[uenv.UNBROKEN_PG_TIMEOUT_S] = str(pg_timeout_s)
     if inprocess and soft_timeout_s is not None:

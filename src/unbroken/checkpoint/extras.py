@@ -6,7 +6,7 @@
   sampling). A state that already holds ``RNG_KEY`` (a rescued note: its generators as they
   were at the note) keeps its own.
 - The last state given, for ``final_digest`` (``digest``): ``close`` records a ``final_state``
-  ledger record with this rank's digest of it.
+  ledger record with this rank's digest of it (the script's state, the generators left out).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from unbroken.checkpoint.rng import capture_rng_state, restore_rng_state
 from unbroken.ledger import Recorder
 from unbroken.ledger import events as ev
 
-RNG_KEY = "unbroken.rng"
+RNG_KEY = "unbroken_rng"
 """Where the generators go in a checkpoint (``<RNG_KEY>.rank<R>``)."""
 
 
@@ -60,4 +60,6 @@ class StateExtras:
     def record_digest(self, ledger: Recorder, step: int | None) -> None:
         """With ``final_digest``: the ``final_state`` record of the last state given."""
         if self._keep and self.last is not None:
-            ledger.emit(ev.FINAL_STATE, step=step, digest=local_digest(self.full(self.last)))
+            # The script's own state: the generators also move with whatever else the process
+            # runs (a launcher's worker draws no number that in-process restart does).
+            ledger.emit(ev.FINAL_STATE, step=step, digest=local_digest(self.last))

@@ -327,11 +327,13 @@ class Cluster:
                 pod=pod,
             )
         head = self.commands.get(argv[0], [argv[0]])
+        workdir = container.get("workingDir")
         pod.start(
             [*head, *argv[1:]],
             env={**self.env, **env},
             network=self.network,
             log=self.workdir / "pods" / f"{pod.name}.log",
+            cwd=self._host_paths(str(workdir), mounts) if workdir else None,
         )
         self.record(
             "pod_started",

@@ -127,7 +127,16 @@ class Pod:
                 env[item["name"]] = value
         return env
 
-    def start(self, argv: list[str], *, env: dict[str, str], network: Network, log: Path) -> None:
+    def start(
+        self,
+        argv: list[str],
+        *,
+        env: dict[str, str],
+        network: Network,
+        log: Path,
+        cwd: str | None = None,
+    ) -> None:
+        """Start the container's process (in ``cwd``, its ``workingDir``; None: ours)."""
         assert self.net is not None
         self.log = log
         log.parent.mkdir(parents=True, exist_ok=True)
@@ -135,6 +144,7 @@ class Pod:
             self.proc = subprocess.Popen(
                 network.wrap(argv, net=self.net, hostname=self.hostname),
                 env=env,
+                cwd=cwd,
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
