@@ -10,7 +10,9 @@ what a user applies. Run either with
 
 Each batch is a function of the step and the rank, so a resumed run trains on the same data as
 one that never stopped. Rank 0 prints a hash of the trained weights at the end: the same for
-both scripts and every run of them on 2 ranks, with faults or without.
+both scripts and every run of them on 2 ranks, with faults or without. Every 10 steps both
+measure a validation loss; fsdp.py names that and its batch loading as phases (optional:
+``ctx.phase`` gives them their own hang timeout, badput category and fault targets).
 """
 
 import hashlib
@@ -29,6 +31,13 @@ def batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(1000 * step + rank)
     x = torch.randn(16, DIM, generator=g)
     return x, torch.sin(3 * x)
+
+
+def validate(model: nn.Module) -> float:
+    """The loss on a held-out batch (the same on every rank: FSDP gathers the weights)."""
+    with torch.no_grad():
+        inputs, targets = batch(10_000, 0)
+        return nn.functional.mse_loss(model(inputs), targets).item()
 
 
 def weights_sha256(model: nn.Module) -> str:
@@ -56,8 +65,10 @@ def main() -> None:
         loss.backward()
         optim.step()
         optim.zero_grad()
-        if rank == 0 and step % 10 == 0:
-            print(f"step {step} loss {loss.item():.4f}", flush=True)
+        if step % 10 == 9:
+            val = validate(model)
+            if rank == 0:
+                print(f"step {step} loss {loss.item():.4f} validation {val:.4f}", flush=True)
     digest = weights_sha256(model)
     if rank == 0:
         print(f"final_state_sha256={digest}", flush=True)

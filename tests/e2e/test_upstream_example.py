@@ -1,5 +1,5 @@
 """A training script nobody here wrote: pytorch/examples' FSDP2 example
-(``examples/upstream/fsdp2``; tests/unit/test_upstream_example.py keeps it the published text),
+(``examples/upstream/fsdp2``; tests/unit/test_upstream_example_source.py keeps it the published text),
 adopted in 9 lines, under ``unbroken-run`` on 2 ranks through an exception, a SIGKILL and a hang.
 
 What the script is on its own: fault-free it is deterministic (the plain and the adopted

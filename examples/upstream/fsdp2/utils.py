@@ -1,6 +1,6 @@
 # From https://github.com/pytorch/examples, distributed/FSDP2/utils.py at commit 77f55b912142e11fcfdf5b530231fb9c52f181e8.
 # Copyright (c) 2017, Pytorch contributors. BSD 3-Clause License: see LICENSE in this folder.
-# Kept as published except the lines tests/unit/test_upstream_example.py lists (to run on CPU).
+# Kept as published except the lines tests/unit/test_upstream_example_source.py lists (to run on CPU).
 
 import torch
 from model import Transformer
