@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
 # make demo: the published recovery comparison, scaled down to this machine (a few minutes).
+# It is the shadow benchmark (`unbroken bench recovery ... -- COMMAND`) of the reference script,
+# which adopts unbroken through the public API as any script does (STEPS=2000 for the long run).
 # One seeded 5-fault schedule (exception, sigkill, hang) on 2 CPU ranks, the same job under:
 #   clean      no faults (the reference final state)
 #   inprocess  in-process restart with unbroken-run behind it (every layer)
@@ -19,12 +21,14 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-runs/demo-$(date +%Y%m%d-%H%M%S)}
 export OMP_NUM_THREADS=1
 rc=0
+STEPS=${STEPS:-500}
 .venv/bin/unbroken bench recovery \
   --configs inprocess-nofault inprocess launcher-nofault launcher baseline \
-  --model tiny --steps 500 --batch-size 8 --seq-len 64 --ckpt-every 5 --snapshot-every 2 \
   --faults 5 --kinds exception sigkill hang --seed 42 \
   --hang-timeout-s 0.5 --pg-timeout-s 3 --pod-restart-s 1 \
-  --out "$OUT" --json "$OUT/results.json" "$@" || rc=$?
+  --out "$OUT" --json "$OUT/results.json" "$@" \
+  -- -m unbroken.workload.train --model tiny --steps "$STEPS" --batch-size 8 --seq-len 64 \
+     --ckpt-every 5 --snapshot-every 2 || rc=$?
 cat <<MSG
 
 Open the dashboard on these runs (faults, rollbacks, alerts, /metrics):

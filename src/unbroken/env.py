@@ -207,7 +207,12 @@ def _phase_timeouts(e: Mapping[str, str]) -> tuple[tuple[str, float], ...]:
         name, sep, value = item.partition("=")
         if not sep or not name.strip():
             raise _bad(UNBROKEN_PHASE_TIMEOUTS, raw, "must be name=seconds[,name=seconds...]")
-        seconds = _seconds(e, UNBROKEN_PHASE_TIMEOUTS, value.strip())
+        try:
+            seconds = _seconds(e, UNBROKEN_PHASE_TIMEOUTS, value.strip() or "?")
+        except ValueError:
+            raise _bad(
+                UNBROKEN_PHASE_TIMEOUTS, raw, f"{item}: must be a number of seconds > 0"
+            ) from None
         assert seconds is not None
         out[name.strip()] = seconds
     return tuple(sorted(out.items()))

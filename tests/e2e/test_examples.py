@@ -3,8 +3,8 @@ SIGKILL, ending with the weights of a fault-free run, bit for bit.
 
 The plain scripts are fault-free references and run unchanged; the adopted scripts get their
 faults from a plan in ``UNBROKEN_FAULTS`` (``unbroken.run`` fires it from ``ctx.step_done``; the
-script has no fault code); the plain DDP script gets the same plan from a test shim that fires
-it from a global optimizer hook and then runs the script untouched. Five 2-rank runs of a
+script has no fault code); the plain DDP script gets the same plan through the observer
+(``python -m unbroken.observe``: its optimizer steps are the plan's steps) and runs untouched. Five 2-rank runs of a
 40-step tiny model: ~40 s on an idle 2-core machine. A script nobody here wrote (pytorch/examples'
 FSDP2 example, adopted): test_upstream_example.py.
 """
@@ -23,7 +23,6 @@ pytestmark = pytest.mark.e2e
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "examples"
-SHIM = ROOT / "tests" / "workers_launcher" / "optim_faults.py"
 STEPS = 40
 # An exception (in-process restart; the step-9 snapshot is still in memory), then a SIGKILL
 # (the launcher restarts both workers; they resume from the step-29 snapshot the node agent's
@@ -36,7 +35,7 @@ PLAN = """faults:
 
 def _run(run_dir: Path, target: list[str], *, faults: Path | None = None) -> str:
     env = worker_env()
-    if faults is not None and target[0] != str(SHIM):
+    if faults is not None:
         env["UNBROKEN_FAULTS"] = str(faults)
     cmd = unbroken_run_cmd(
         run_dir, nproc=2, steps=None, target=target, launcher_args=["--max-restarts", "3"]
@@ -96,7 +95,7 @@ def test_plain_script_restarts_unchanged_bit_exact(
     tmp_path: Path, plan: Path, fault_free: dict[str, str]
 ) -> None:
     run_dir = tmp_path / "plain_ddp"
-    digest = _run(run_dir, [str(SHIM), str(plan), str(EXAMPLES / "plain_ddp.py")])
+    digest = _run(run_dir, ["-m", "unbroken.observe", str(EXAMPLES / "plain_ddp.py")], faults=plan)
     assert digest == fault_free["ddp"]
     rep = goodput.compute(read_run(run_dir).events)
     assert sorted(f.kind for f in rep.faults) == ["exception", "sigkill"]

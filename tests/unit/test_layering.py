@@ -395,3 +395,23 @@ def test_the_private_use_check_finds_one(tmp_path: Path) -> None:
         "unbroken.bench.checkpoint:2 imports private _local",
         "unbroken.bench.checkpoint:6 reads private attribute _arena",
     ]
+
+
+def test_the_reference_script_assembles_no_layer_by_hand() -> None:
+    """The reference script (and the workload modules it uses) adopts unbroken as any script
+    does: through ``unbroken`` (and ``unbroken.checkpoint``'s exported names), never a module
+    of the launcher, the checkpoint package, in-process restart, fault injection or
+    ``unbroken.job`` itself; what it needs that the API lacked, ``unbroken.run`` provides."""
+    internals = ("launcher", "checkpoint.", "restart", "faults", "job")
+    found = []
+    for arrow in import_graph(SRC):
+        if not arrow.source.startswith(f"{ROOT}.workload"):
+            continue
+        target = _rel(arrow.target)
+        if any(
+            target == i or target.startswith(i if i.endswith(".") else i + ".") for i in internals
+        ):
+            found.append(f"{arrow.source}:{arrow.line} imports {arrow.target}")
+        if target == "checkpoint" and arrow.source.endswith("train"):
+            found.append(f"{arrow.source}:{arrow.line} imports {arrow.target} (use unbroken)")
+    assert found == []

@@ -121,6 +121,14 @@ class LedgerCollector:
         badput = self._counter(
             "unbroken_badput_seconds", "Wall time lost, by badput category", ["category"]
         )
+        ml_badput = self._counter(
+            "unbroken_ml_badput_seconds",
+            "Wall time lost, by Google ml-goodput-measurement category",
+            ["category"],
+        )
+        phase_s = self._counter(
+            "unbroken_phase_seconds", "Time in the script's own phases (custom badput)", ["phase"]
+        )
         fault_cost = self._counter(
             "unbroken_fault_seconds",
             "What the faults cost: fault to training resumed, and the steps redone",
@@ -156,6 +164,10 @@ class LedgerCollector:
             self._add(productive, [run], rep.productive_s)
             for cat in BADPUT_CATEGORIES:
                 self._add(badput, [run, cat], rep.badput_s[cat])
+            for cat, seconds in rep.ml_badput_s().items():
+                self._add(ml_badput, [run, cat], seconds)
+            for name, seconds in rep.custom_s.items():
+                self._add(phase_s, [run, name], seconds)
             self._add(fault_cost, [run], rep.fault_s)
             by_layer: dict[tuple[str, str], int] = {}
             by_kind: dict[tuple[str, str, str], int] = {}
@@ -189,7 +201,19 @@ class LedgerCollector:
             )
             blocking.append((run, _durations(w, ev.CKPT_STAGE)))
             persist.append((run, _durations(w, ev.CKPT_PERSIST)))
-        yield from (wall, productive, badput, fault_cost, restarts, faults, lost, skipped, commits)
+        yield from (
+            wall,
+            productive,
+            badput,
+            ml_badput,
+            phase_s,
+            fault_cost,
+            restarts,
+            faults,
+            lost,
+            skipped,
+            commits,
+        )
         yield from (launcher, failed, _recovery_by_class(reports))
         yield _histogram(
             "unbroken_recovery_seconds", "Fault to every rank training again", recovery

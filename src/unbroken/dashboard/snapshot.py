@@ -27,7 +27,7 @@ from unbroken.dashboard.alerts import restart_budget
 from unbroken.dashboard.index import REF, EventIndex
 from unbroken.ledger import events as ev
 from unbroken.ledger.events import Event
-from unbroken.ledger.goodput import RunReport
+from unbroken.ledger.goodput import ML_GOODPUT, RunReport
 
 MAX_POINTS = 2000
 RATE_WINDOW_S = 30.0
@@ -194,6 +194,8 @@ def build(
             "steps_lost": sum(f.steps_lost or 0 for f in report.faults),
         },
         "badput_s": report.badput_s,
+        "ml_goodput": dict(ML_GOODPUT),
+        "custom_s": report.custom_s,
         "series": {"t": [p[0] for p in series], "step": [p[1] for p in series]},
         "faults": faults,
         "by_class": {k: g.to_dict() for k, g in report.by_class.items()},

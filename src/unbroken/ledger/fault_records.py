@@ -101,6 +101,8 @@ class OpenFault:
     threshold: float | None = None
     resume_ts: float | None = None
     resume_step: int | None = None
+    ended: bool = False
+    """Resumed by the job's successful end, not by a step (a fault after the last one)."""
     disruptive: bool = True
     phase: str | None = None
     rounds: set[tuple[Any, ...]] = field(default_factory=set)
@@ -215,7 +217,10 @@ def fault_record(
     steps_lost = None
     if f.resume_ts is not None and f.threshold is not None:
         downtime_s = f.resume_ts - f.fault_ts
-        recovery_s = timeline.recovered_ts(f.threshold) - f.fault_ts
+        if f.ended:
+            recovery_s, steps_lost = downtime_s, 0
+        else:
+            recovery_s = timeline.recovered_ts(f.threshold) - f.fault_ts
         if f.resume_step is not None:
             last_before = timeline.last_step_before(f.fault_ts)
             steps_lost = max(0, last_before + 1 - f.resume_step)
@@ -337,6 +342,13 @@ def walk_faults(ordered: list[Event], ref: int) -> list[OpenFault]:
             # up (restart budget, no progress) instead of restarting: no restart was tried.
             for f in open_:
                 f.rounds.discard(("launcher", "round", e.get("round")))
+        elif kind == JOB_END and e.get("status") == "ok" and open_:
+            # The job ended well with faults still open: after its last step (in shutdown),
+            # nothing was left to redo; the job's end is their resumption.
+            for f in open_:
+                f.threshold = f.current_threshold()
+                f.resume_ts, f.ended = max(float(e.ts), f.threshold), True
+            open_ = []
         elif kind == STEP and e.rank == ref and open_:
             begin = float(e.begin)
             still_open = []

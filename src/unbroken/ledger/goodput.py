@@ -44,6 +44,9 @@ Faults (one walk over the events in order)
       A reference-rank ``step`` record whose ``begin`` >= the threshold *resumes* (and closes)
       every open fault it satisfies: ``resume_ts`` = that ``begin``. The walk meets a step
       record at its ``ts`` (its end), so only records up to then count toward the threshold.
+      A ``job_end`` with status "ok" resumes every fault still open (a fault after the last
+      step, in shutdown): ``resume_ts`` = max(its ``ts``, the threshold), ``recovery_s`` =
+      ``downtime_s``, ``steps_lost`` = 0.
     * ``recovered_ts``: for every rank with a ``step`` record whose ``begin`` >= the threshold,
       the ``ts`` of its first such record; the max over those ranks.
     * ``restore_tier``/``restored_step``: ``tier``/``step`` of the last reference-rank
@@ -73,7 +76,8 @@ Partition of [t0, t1]
     1. ``checkpoint_save``: reference-rank ``ckpt_stage`` intervals (the trainer was blocked).
     2. ``checkpoint_load``: reference-rank ``ckpt_load`` intervals (and phase ``ckpt_load``).
     3. phases, by name, in this order: ``startup`` (phase ``import``), ``rendezvous``,
-       ``pg_init``, ``model_build``, ``data``, ``shutdown``. Other phase names are ignored.
+       ``pg_init``, ``model_build``, ``data``, ``custom`` (every other valid name: the
+       user's own, ``RestartContext.phase``), ``shutdown``.
        The launcher's (rank ``LAUNCHER_RANK``) phases, up to the begin of the reference
        rank's first record, count as ``startup`` (its start-up, rendezvous and launch).
     4. ``productive``: surviving step intervals.
@@ -112,6 +116,11 @@ Figures
       ``num_attempts``: distinct ``attempt`` values; ``num_iterations``: max ``iteration`` + 1.
     * ``step_time_s_median``: median ``dur_s`` of surviving steps (None if none);
       ``recovery_s_median``/``recovery_s_max``: over faults with a ``recovery_s`` (else None).
+    * ``custom_s``: per user phase name, the measure of the union of its reference-rank
+      intervals (what the ``custom`` category holds, by name; overlaps other categories only
+      where a higher one covers it).
+    * ``ml_badput_s()``: ``badput_s`` summed into Google's ml-goodput-measurement categories
+      (``ML_GOODPUT``).
     * ``by_class``/``by_phase``: ``fault_summary.by_class``/``by_phase`` of the faults:
       per class and per phase, recovery rate, recovery time p50/p95/max, failed restart
       attempts, steps lost per incident, detection p50 (defined in ``fault_summary``).
@@ -176,6 +185,7 @@ CATEGORIES = (
     "pg_init",
     "model_build",
     "data",
+    "custom",
     "shutdown",
     "productive",
     "reexecuted",
@@ -184,6 +194,25 @@ CATEGORIES = (
 )
 OTHER = "other"
 BADPUT_CATEGORIES = tuple(c for c in CATEGORIES if c != "productive") + (OTHER,)
+ML_GOODPUT = {
+    "startup": "program_startup",
+    "rendezvous": "program_startup",
+    "pg_init": "program_startup",
+    "model_build": "program_startup",
+    "data": "data_loading",
+    "checkpoint_save": "checkpoint_save",
+    "checkpoint_load": "checkpoint_restore",
+    "reexecuted": "wasted_progress",
+    "detection": "infrastructure_recovery",
+    "recovery": "infrastructure_recovery",
+    "custom": "custom_badput_events",
+    "shutdown": "other",
+    OTHER: "other",
+}
+"""Each badput category's name in Google's ml-goodput-measurement (program start-up, data
+loading, checkpoint save and restore, wasted progress from disruption, infrastructure recovery
+from disruption, custom badput events, other)."""
+assert set(ML_GOODPUT) == set(BADPUT_CATEGORIES), "every badput category has an ml-goodput name"
 
 _PRIO = {name: i for i, name in enumerate(CATEGORIES)}
 _PHASE_CATEGORY = {
@@ -268,6 +297,15 @@ class RunReport:
     """Recovery figures per fault class (``fault_summary``)."""
     by_phase: dict[str, FaultFigures] = field(default_factory=dict)
     """Recovery figures per phase the faults fired in (``fault_summary``)."""
+    custom_s: dict[str, float] = field(default_factory=dict)
+    """Seconds of each user phase (``custom`` badput) on the reference rank, by name."""
+
+    def ml_badput_s(self) -> dict[str, float]:
+        """``badput_s`` in the categories of Google's ml-goodput-measurement (``ML_GOODPUT``)."""
+        out = dict.fromkeys(dict.fromkeys(ML_GOODPUT.values()), 0.0)
+        for category, seconds in self.badput_s.items():
+            out[ML_GOODPUT[category]] += seconds
+        return out
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
@@ -375,6 +413,7 @@ def compute(
     # Category intervals for the partition; loop = step and blocking-save intervals.
     intervals: list[tuple[float, float, int]] = []
     loop: list[tuple[float, float]] = []
+    custom: dict[str, list[tuple[float, float]]] = {}
     for e in ordered:
         if e.rank != ref or e.kind not in (CKPT_STAGE, CKPT_LOAD, PHASE):
             continue
@@ -385,9 +424,11 @@ def compute(
         elif e.kind == CKPT_LOAD:
             intervals.append((*span, _PRIO["checkpoint_load"]))
         else:
-            category = _PHASE_CATEGORY.get(str(e.get("name")))
-            if category is not None:
-                intervals.append((*span, _PRIO[category]))
+            name = str(e.get("name"))
+            category = _PHASE_CATEGORY.get(name, "custom")
+            intervals.append((*span, _PRIO[category]))
+            if category == "custom":
+                custom.setdefault(name, []).append(span)
     # The launcher's own phases until the reference rank's first record are the job's
     # start-up (later ones overlap the workers' phases and restarts, accounted for by those).
     first_ref = min((float(e.begin) for e in ordered if e.rank == ref), default=t1)
@@ -461,4 +502,5 @@ def compute(
         recovery_s_max=float(max(recoveries)) if recoveries else None,
         by_class=by_class(records),
         by_phase=by_phase(records),
+        custom_s={name: float(_union_measure(spans)) for name, spans in sorted(custom.items())},
     )

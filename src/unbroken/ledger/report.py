@@ -6,7 +6,7 @@ import json
 from collections.abc import Sequence
 
 from unbroken.ledger.fault_summary import FaultFigures
-from unbroken.ledger.goodput import RunReport
+from unbroken.ledger.goodput import ML_GOODPUT, RunReport
 
 _FAULT_HEADERS = (
     "#",
@@ -132,11 +132,17 @@ def format_table(report: RunReport) -> str:
         key=lambda item: (-item[1], item[0]),
     )
     if badput:
+        ml = ML_GOODPUT
         rows = [
-            [name, f"{s:.3f}", f"{s / wall * 100:.1f}%" if wall > 0 else "n/a"]
+            [name, ml[name], f"{s:.3f}", f"{s / wall * 100:.1f}%" if wall > 0 else "n/a"]
             for name, s in badput
         ]
-        lines += _table(("category", "seconds", "% of wall"), rows, right={1, 2})
+        lines += _table(
+            ("category", "ml-goodput category", "seconds", "% of wall"), rows, right={2, 3}
+        )
+        if report.custom_s:
+            shown = ", ".join(f"{name} {s:.3f} s" for name, s in report.custom_s.items())
+            lines.append(f"custom: the script's own phases: {shown}")
     else:
         lines.append("no badput")
 

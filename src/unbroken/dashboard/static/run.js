@@ -123,8 +123,13 @@ function renderBadput(snap) {
     seg.style.background = name === "productive" ? "#16a34a" : BADPUT_COLORS[name] || "#999";
     return seg;
   }));
-  fillTable(document.getElementById("badput"), ["category", "seconds", "% of wall"],
-    parts.map(([n, s]) => [n, fmt.s(s), wall ? ((100 * s) / wall).toFixed(1) + "%" : "–"]));
+  const ml = snap.ml_goodput || {};
+  const custom = Object.entries(snap.custom_s || {}).map(([n, s]) => `${n} ${fmt.s(s)} s`);
+  fillTable(document.getElementById("badput"), ["category", "ml-goodput", "seconds", "% of wall"],
+    parts.map(([n, s]) => [
+      n === "custom" && custom.length ? `custom (${custom.join(", ")})` : n,
+      ml[n] || "–", fmt.s(s), wall ? ((100 * s) / wall).toFixed(1) + "%" : "–",
+    ]));
 }
 
 function renderFaults(snap) {
