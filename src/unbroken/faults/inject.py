@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from unbroken.checkpoint import layout
-from unbroken.faults import node, oom, storage, throttle
+from unbroken.faults import link, node, oom, slowrank, storage, throttle
 from unbroken.faults.plan import FaultPlan, FaultSpec
 from unbroken.ledger import NULL, Recorder
 from unbroken.ledger import events as ev
@@ -126,6 +126,10 @@ class FaultInjector:
             extra = self._slow_storage(spec)
         elif spec.kind == "checkpoint-corruption":
             extra = self._corrupt(spec)
+        elif spec.kind == "slow-rank":
+            extra = _slow_rank(spec)
+        elif spec.kind == "network":
+            extra = link.request(spec, fired_dir=self.fired_dir)
         elif spec.kind == "node-loss":
             victims = node.find_node(self.agent_pid)
             extra = {"scope": victims.scope, "agent_pid": victims.agent_pid, "pids": victims.pids}
@@ -142,8 +146,8 @@ class FaultInjector:
             if victims is not None:  # its agent is stopped: never leave it so
                 node.lose(victims)
             raise
-        if spec.kind == "slow-storage":
-            return  # nothing dies: training goes on over slow storage
+        if not spec.disruptive:
+            return  # nothing dies: training goes on, slower
         if spec.kind == "exception":
             raise InjectedFault(f"injected fault {spec.describe()}")
         if spec.kind == "sigkill":
@@ -208,6 +212,19 @@ class FaultInjector:
         else:
             logger.warning("checkpoint-corruption: flipped bytes of %s", out["file"])
         return out
+
+
+def _slow_rank(spec: FaultSpec) -> dict[str, Any]:
+    """Throttle this process (``slowrank``); the record's window is its ``window_s``."""
+    cfg = spec.settings()
+    out: dict[str, Any] = {"cpu": cfg["cpu"], "seconds": cfg["seconds"]}
+    try:
+        out.update(slowrank.slow(os.getpid(), cpu=cfg["cpu"], seconds=cfg["seconds"]))
+    except OSError as e:  # not even a watcher: say so, train on at full speed
+        logger.warning("slow-rank: not applied: %s", e)
+        return {**out, "applied": False, "reason": f"no watcher process could start: {e}"}
+    out["window_s"] = cfg["seconds"]
+    return out
 
 
 def _hang() -> None:

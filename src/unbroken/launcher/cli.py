@@ -29,6 +29,7 @@ from unbroken.launcher.monitor import (
     HeartbeatTracker,
     Observed,
     proc_runnable_s,
+    proc_sent_bytes,
 )
 from unbroken.launcher.signals import SignalPipe
 from unbroken.launcher.workers import LocalWorkers
@@ -243,6 +244,7 @@ def _run(spec: largs.JobSpec, cfg: largs.lconfig.LauncherConfig, run_dir: Path, 
                 ev.TUNED, name=name, value=round(value, 4), previous=previous, layer="launcher"
             ),
             runnable_s=proc_runnable_s,
+            sent_bytes=proc_sent_bytes,
         )
         workers = LocalWorkers(
             spec,

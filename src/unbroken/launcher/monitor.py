@@ -22,7 +22,13 @@ tests drive it with scripted heartbeats and times:
   timeouts of silence (a loop that spins is a hang too). A hung rank sleeps or waits (a collective whose peer never comes, a
   lock), and so does every rank waiting on it; a busy machine's slow step computes. That time is
   measured from the half-timeout mark, not the heartbeat: the end of the step that sent it
-  (a snapshot's copy, the next batch) is work, not progress.
+  (a snapshot's copy, the next batch) is work, not progress;
+- a silent worker that is sending is slow, not hung either: a collective over a degraded
+  network (delay, loss) sleeps in the kernel while its data trickles out. When some suspect
+  wrote at least ``SENDING_BYTES_S`` bytes a second since it became one (``sent_bytes``: the
+  bytes its write calls passed to the kernel, sockets included: /proc's io ``wchar``), every
+  suspect gets one more timeout, up to ``SENDING_LIMIT`` timeouts of silence. A hung collective
+  sends nothing: its peer never takes the data (or never sent its own).
 
 Datagrams from an earlier round or another pid are ignored, and so are datagrams not signed
 with the job's secret (HMAC-SHA256; see ``parse_datagram``) or not shaped like a heartbeat.
@@ -56,9 +62,18 @@ threads); a computing one is runnable all the time, ~1.0 however busy the machin
 CPU hogs on 2 cores it ran 0.4 and waited 0.6), where its CPU time alone fell to 0.24."""
 BUSY_LIMIT = 4.0
 """Timeouts of silence a computing worker is given at most."""
+SENDING_BYTES_S = 4096.0
+"""Bytes a second a silent worker writes, above which it is communicating (a hung one writes
+none: its heartbeats are datagrams, which this does not count, and it records no steps)."""
+SENDING_LIMIT = 30.0
+"""Timeouts of silence a communicating worker is given at most (a link 50 ms longer each way
+that loses 1% of its packets carries ~180 KB/s per TCP connection: a step of some MB takes the
+whole of a 20 s degradation)."""
 
 RunClock = Callable[[int], "float | None"]
 """Seconds a process's threads have run or waited to run, None when it cannot be read."""
+ByteCount = Callable[[int], "int | None"]
+"""Bytes a process has written (to files, pipes, sockets), None when it cannot be read."""
 
 
 def proc_runnable_s(pid: int) -> float | None:
@@ -76,6 +91,19 @@ def proc_runnable_s(pid: int) -> float | None:
         except (OSError, ValueError):
             continue  # a thread that just ended
     return total / 1e9 if tids else None
+
+
+def proc_sent_bytes(pid: int) -> int | None:
+    """Bytes process ``pid`` passed to write calls so far, sockets included (/proc/<pid>/io
+    ``wchar``; a collective's sends count, datagrams sent with sendto do not); None when the
+    process is gone or /proc cannot say."""
+    try:
+        for line in Path(f"/proc/{pid}/io").read_text().splitlines():
+            if line.startswith("wchar:"):
+                return int(line.split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
 
 
 _INT_FIELDS = ("lr", "rank", "pid", "round")
@@ -179,6 +207,8 @@ class Hang:
     runnable: float | None = None
     """Its threads' time running or runnable per second over the last stretch of that silence
     (cores), when measured."""
+    sending: float | None = None
+    """Bytes a second it wrote over that stretch, when measured."""
     phase: str
     """"initial" (no heartbeat yet this round), "steady", or "finishing" (past the last step:
     the initial timeout applies)."""
@@ -198,6 +228,8 @@ class _Worker:
     """Within half a timeout of its deadline since its last heartbeat."""
     mark: tuple[float, float] | None = None
     """(time, runnable seconds) when it became a suspect or its deadline was last extended."""
+    sent_mark: tuple[float, int] | None = None
+    """(time, bytes written) then."""
     extended_to: float | None = None
     """A deadline moved on because the node was computing."""
 
@@ -259,9 +291,11 @@ class HeartbeatTracker:
         observed: Observed | None = None,
         on_change: calibrate.OnChange | None = None,
         runnable_s: RunClock | None = None,
+        sent_bytes: ByteCount | None = None,
     ) -> None:
         """``on_change(name, value, previous)`` is told each move of an automatic timeout;
-        ``runnable_s(pid)`` (``proc_runnable_s``; None: off) tells a slow worker from a hung one."""
+        ``runnable_s(pid)`` (``proc_runnable_s``) and ``sent_bytes(pid)`` (``proc_sent_bytes``)
+        tell a slow worker from a hung one (None: that test is off)."""
         self.enabled = enabled
         self.initial_timeout_s = initial_timeout_s
         self.steady_timeout_s = steady_timeout_s
@@ -270,6 +304,7 @@ class HeartbeatTracker:
         self.auto_timeout_factor = auto_timeout_factor
         self.observed = observed or Observed()
         self.runnable_s = runnable_s
+        self.sent_bytes = sent_bytes
         self.round = -1
         self.workers: dict[int, _Worker] = {}
         self.best_step: int | None = None
@@ -344,7 +379,7 @@ class HeartbeatTracker:
             self._calibrate()
         w.last = now
         w.finishing = fin
-        w.suspect, w.mark, w.extended_to = False, None, None
+        w.suspect, w.mark, w.sent_mark, w.extended_to = False, None, None, None
         step, committed = msg.get("step"), msg.get("committed")
         if isinstance(step, int):
             w.last_step = step
@@ -384,6 +419,21 @@ class HeartbeatTracker:
         got = None if self.runnable_s is None or w.pid is None else self.runnable_s(w.pid)
         return None if got is None else (now, got)
 
+    def _sent_mark(self, w: _Worker, now: float) -> tuple[float, int] | None:
+        got = None if self.sent_bytes is None or w.pid is None else self.sent_bytes(w.pid)
+        return None if got is None else (now, got)
+
+    def _sending(self, w: _Worker, now: float) -> float | None:
+        """Bytes a second ``w`` wrote since its mark (None: not measured, or too short)."""
+        new = self._sent_mark(w, now)
+        if (
+            w.sent_mark is None
+            or new is None
+            or new[0] - w.sent_mark[0] < self.heartbeat_interval_s
+        ):
+            return None
+        return max(0, new[1] - w.sent_mark[1]) / (new[0] - w.sent_mark[0])
+
     def _cores(self, w: _Worker, now: float) -> float | None:
         """Cores ``w`` ran on or waited for since its mark (None: not measured, or too short)."""
         new = self._mark(w, now)
@@ -396,7 +446,9 @@ class HeartbeatTracker:
         if not self.enabled:
             return None
         times = [
-            d[0] if w.suspect or self.runnable_s is None else d[0] - d[1] / 2
+            d[0]
+            if w.suspect or (self.runnable_s is None and self.sent_bytes is None)
+            else d[0] - d[1] / 2
             for w in self.workers.values()
             if (d := self._deadline(w)) is not None
         ]  # a worker's runnable time is measured from the moment it becomes a suspect
@@ -414,7 +466,7 @@ class HeartbeatTracker:
             if d is None or now < d[0] - d[1] / 2:
                 continue
             if not w.suspect:
-                w.suspect, w.mark = True, self._mark(w, now)
+                w.suspect, w.mark, w.sent_mark = True, self._mark(w, now), self._sent_mark(w, now)
             late = late or now >= d[0]
             suspects.append((lr, w, d))
         if not late:
@@ -429,6 +481,7 @@ class HeartbeatTracker:
                 phase=d[2],
                 last_step=w.last_step,
                 runnable=self._cores(w, now),
+                sending=self._sending(w, now),
             )
             for lr, w, d in suspects
         ]
@@ -439,22 +492,44 @@ class HeartbeatTracker:
 
     def _computing(self, suspects: list[Hang], now: float) -> bool:
         """True (and every suspect's deadline moved on by one timeout) when one of them is
-        computing and none has been silent for ``BUSY_LIMIT`` timeouts yet."""
-        busy = [h for h in suspects if h.runnable is not None and h.runnable >= BUSY_CORES]
-        if not busy or any(h.silent_s >= BUSY_LIMIT * h.timeout_s for h in suspects):
+        computing and none has been silent for ``BUSY_LIMIT`` timeouts yet, or one of them is
+        sending and none has been silent for ``SENDING_LIMIT`` timeouts yet."""
+        why, limit = self._slow(suspects)
+        if why is None:
             return False
         for h in suspects:
             w = self.workers[h.local_rank]
-            limit = now - h.silent_s + BUSY_LIMIT * h.timeout_s
-            w.extended_to = min(now + h.timeout_s, limit)
-            w.mark = self._mark(w, now)
+            w.extended_to = min(now + h.timeout_s, now - h.silent_s + limit * h.timeout_s)
+            w.mark, w.sent_mark = self._mark(w, now), self._sent_mark(w, now)
         logger.info(
-            "no heartbeat from rank(s) %s for %.2f s, but rank %d is computing (it ran or "
-            "waited to run %.2f of the time): slow, not hung; waiting up to %.2f s more",
+            "no heartbeat from rank(s) %s for %.2f s, but %s: slow, not hung; waiting up to "
+            "%.2f s more",
             ", ".join(str(h.rank) for h in suspects),
             max(h.silent_s for h in suspects),
-            busy[0].rank,
-            busy[0].runnable,
+            why,
             min(h.timeout_s for h in suspects),
         )
         return True
+
+    @staticmethod
+    def _slow(suspects: list[Hang]) -> tuple[str | None, float]:
+        """(why the suspects are slow, not hung, and the limit in timeouts) or (None, 0)."""
+
+        def within(limit: float) -> bool:
+            return not any(h.silent_s >= limit * h.timeout_s for h in suspects)
+
+        for h in suspects:
+            if h.runnable is not None and h.runnable >= BUSY_CORES and within(BUSY_LIMIT):
+                return (
+                    f"rank {h.rank} is computing (it ran or waited to run {h.runnable:.2f} "
+                    "of the time)",
+                    BUSY_LIMIT,
+                )
+        for h in suspects:
+            if h.sending is not None and h.sending >= SENDING_BYTES_S and within(SENDING_LIMIT):
+                return (
+                    f"rank {h.rank} is sending ({h.sending / 1e3:.1f} kB/s: a collective over "
+                    "a slow network)",
+                    SENDING_LIMIT,
+                )
+        return None, 0.0

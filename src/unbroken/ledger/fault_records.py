@@ -9,6 +9,7 @@ there calls ``walk_faults`` and ``fault_record`` and folds the outages into the 
 from __future__ import annotations
 
 import bisect
+import math
 from array import array
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
@@ -63,6 +64,12 @@ class FaultRecord:
     """False for a fault that ended no process (no outage: zero downtime)."""
     ckpt_skips: int | None = None
     """Non-disruptive faults: distinct steps whose save was skipped while it was the latest."""
+    window_s: float | None = None
+    """A degrading fault's window (slow-rank, network): it lasted [fault_ts, + window_s]."""
+    step_s_inside: float | None = None
+    """Median surviving reference-rank step overlapping that window (``degraded``)."""
+    degraded_s: float | None = None
+    """Their time beyond as many undegraded steps (``degraded``); None without a window."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -86,6 +93,7 @@ class OpenFault:
     resume_ts: float | None = None
     resume_step: int | None = None
     disruptive: bool = True
+    window_s: float | None = None
 
     def current_threshold(self) -> float:
         parts = [self.fault_ts]
@@ -94,6 +102,10 @@ class OpenFault:
         if self.last_restart_end is not None:
             parts.append(self.last_restart_end)
         return max(parts)
+
+
+def _finite(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def opt_int(value: Any) -> int | None:
@@ -189,6 +201,7 @@ def fault_record(
             restored_step=None,
             disruptive=False,
             ckpt_skips=skips,
+            window_s=f.window_s,
         )
     recovery_s = downtime_s = None
     steps_lost = None
@@ -265,6 +278,9 @@ def walk_faults(ordered: list[Event], ref: int) -> list[OpenFault]:
             if e.get("disruptive", True) is False:  # nothing to recover: never opened
                 f.disruptive = False
                 f.resume_ts = f.threshold = f.fault_ts
+                window = e.get("window_s")
+                if _finite(window) and window > 0:
+                    f.window_s = float(window)
                 continue
             open_.append(f)
         elif kind == FAULT_DETECTED:

@@ -114,12 +114,14 @@ Files: this one (the partition and the figures) and ``fault_records`` (the walk 
 
 from __future__ import annotations
 
+import itertools
 import statistics
 from collections import Counter
-from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
+from unbroken.ledger import degraded, stragglers
 from unbroken.ledger.events import (
     ALERT,
     CKPT_COMMIT,
@@ -149,6 +151,7 @@ from unbroken.ledger.fault_records import (
     walk_faults,
 )
 from unbroken.ledger.reader import StepDigest
+from unbroken.ledger.stragglers import Straggler
 
 __all__ = ["BADPUT_CATEGORIES", "CATEGORIES", "OTHER", "FaultRecord", "RunReport", "compute"]
 
@@ -249,10 +252,17 @@ class RunReport:
     """Median recovery_s over recovered faults."""
     recovery_s_max: float | None
     """Max recovery_s over recovered faults."""
+    step_time_s_outside: float | None = None
+    """Median surviving step outside every degradation window; None without a window."""
+    degraded_s: float = 0.0
+    """What the degradations cost: their windows' steps' time beyond as many undegraded steps."""
+    stragglers: list[Straggler] = field(default_factory=list)
+    """Straggler episodes, by begin."""
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
         out["faults"] = [f.to_dict() for f in self.faults]
+        out["stragglers"] = [s.to_dict() for s in self.stragglers]
         out["badput_s"] = {k: float(v) for k, v in self.badput_s.items()}
         return out
 
@@ -411,6 +421,10 @@ def compute(
     surviving_durs = [e - s for s, e in alive_spans]
     fault_spans = [(max(s, t0), min(e, t1)) for s, e in downtime + redone]
     recoveries = [r.recovery_s for r in records if r.recovery_s is not None]
+    windows = [(r.fault_ts, r.fault_ts + r.window_s) for r in records if r.window_s]
+    outside_s, inside, degraded_s = degraded.cost(alive_spans, windows)
+    priced = iter(inside)
+    records = [_priced(r, next(priced)) if r.window_s else r for r in records]
     runs = Counter(e.run for e in ordered if e.run)
     attempts = {e.attempt for e in ordered}
     max_iteration = max((e.iteration for e in ordered), default=0)
@@ -438,4 +452,35 @@ def compute(
         step_time_s_median=float(statistics.median(surviving_durs)) if surviving_durs else None,
         recovery_s_median=float(statistics.median(recoveries)) if recoveries else None,
         recovery_s_max=float(max(recoveries)) if recoveries else None,
+        step_time_s_outside=outside_s,
+        degraded_s=degraded_s,
+        stragglers=stragglers.find(
+            _busy_samples(ordered, folded),
+            t0=t0,
+            t1=t1,
+            window_s=stragglers.window_for(float(e.dur_s or 0.0) for e in timeline.ref_steps),
+        ),
     )
+
+
+def _priced(record: FaultRecord, figures: tuple[float | None, float | None]) -> FaultRecord:
+    inside, cost = figures
+    return replace(record, step_s_inside=inside, degraded_s=cost)
+
+
+def _busy_samples(
+    ordered: Sequence[Event], folded: StepDigest | None
+) -> dict[int, Iterable[stragglers.Sample]]:
+    """Per rank, its step records' (end, dur_s, busy_s), from the events and the digest."""
+    out: dict[int, list[stragglers.Sample]] = {}
+    for e in ordered:
+        busy = e.get("busy_s") if e.kind == STEP else None
+        if busy is not None and e.dur_s is not None and e.rank >= 0:
+            out.setdefault(e.rank, []).append((float(e.ts), e.dur_s, float(busy)))
+    samples: dict[int, Iterable[stragglers.Sample]] = dict(out)
+    for rank, busy in (folded.busy if folded is not None else {}).items():
+        spans = folded.spans[rank]  # type: ignore[union-attr]
+        digest = zip(spans[0::2], spans[1::2], busy, strict=True)
+        more = ((end, end - begin, b) for begin, end, b in digest)
+        samples[rank] = itertools.chain(out.get(rank, ()), more)
+    return samples
