@@ -92,6 +92,14 @@ class LedgerCollector:
             "What the faults cost: fault to training resumed, and the steps redone",
             [],
         )
+        degraded = self._counter(
+            "unbroken_degraded_seconds",
+            "What degradations cost: step time in their windows beyond undegraded steps",
+            [],
+        )
+        stragglers = self._counter(
+            "unbroken_straggler_episodes", "Straggler episodes, by rank", ["rank"]
+        )
         restarts = self._counter(
             "unbroken_restarts", "Faults restarted by a recovery layer", ["layer", "cause"]
         )
@@ -115,6 +123,12 @@ class LedgerCollector:
             for cat in BADPUT_CATEGORIES:
                 self._add(badput, [run, cat], rep.badput_s[cat])
             self._add(fault_cost, [run], rep.fault_s)
+            self._add(degraded, [run], rep.degraded_s)
+            episodes: dict[int, int] = {}
+            for x in rep.stragglers:
+                episodes[x.rank] = episodes.get(x.rank, 0) + 1
+            for r, n in sorted(episodes.items()):
+                self._add(stragglers, [run, str(r)], n)
             by_layer: dict[tuple[str, str], int] = {}
             by_kind: dict[str, int] = {}
             for f in rep.faults:
@@ -139,7 +153,8 @@ class LedgerCollector:
             )
             blocking.append((run, _durations(w, ev.CKPT_STAGE)))
             persist.append((run, _durations(w, ev.CKPT_PERSIST)))
-        yield from (wall, productive, badput, fault_cost, restarts, faults, lost, skipped, commits)
+        yield from (wall, productive, badput, fault_cost, degraded, stragglers, restarts, faults)
+        yield from (lost, skipped, commits)
         yield launcher
         yield _histogram(
             "unbroken_recovery_seconds", "Fault to every rank training again", recovery
@@ -184,6 +199,14 @@ class _Gauges:
         "unbroken_heartbeat_age_seconds": ("Seconds since the rank's last step", ["rank"]),
         "unbroken_rank_step_duration_seconds": ("Median of the rank's last steps", ["rank"]),
         "unbroken_rank_step_deviation_ratio": ("Rank step time / median over ranks - 1", ["rank"]),
+        "unbroken_rank_busy_ratio": (
+            "Rank's time on or waiting for a CPU / step time, its last steps",
+            ["rank"],
+        ),
+        "unbroken_straggler": (
+            "1 while the rank is a straggler by its busy ratio, else 0",
+            ["rank"],
+        ),
         "unbroken_restart_budget_used_ratio": ("Launcher restarts used / --max-restarts", []),
         "unbroken_alerts": ("Alerts raised, by rule and severity", ["name", "severity"]),
         "unbroken_ledger_torn_lines": ("Ledger files whose last line is cut", []),
@@ -225,6 +248,9 @@ class _Gauges:
             s("unbroken_heartbeat_age_seconds", rank, r.get("heartbeat_age_s"))
             s("unbroken_rank_step_duration_seconds", rank, r.get("step_time_s"))
             s("unbroken_rank_step_deviation_ratio", rank, r.get("deviation"))
+            if r.get("busy_ratio") is not None:
+                s("unbroken_rank_busy_ratio", rank, r.get("busy_ratio"))
+                s("unbroken_straggler", rank, bool(r.get("straggler")))
         rs = snap.get("restarts", {})
         if rs.get("launcher_budget"):
             s(

@@ -104,12 +104,31 @@ Figures
     * ``step_time_s_median``: median ``dur_s`` of surviving steps (None if none);
       ``recovery_s_median``/``recovery_s_max``: over faults with a ``recovery_s`` (else None).
 
+Degradation (``degraded``)
+    A non-disruptive ``fault_injected`` record with a finite ``window_s`` > 0 (``slow-rank``,
+    ``network``) has the degradation window [its ts, ts + ``window_s``]. Training goes on in
+    it, slower: its cost is step time, not an outage, and the partition above does not change
+    (a slow step that survives is productive). A surviving reference-rank step is inside a
+    window when its interval overlaps it. ``step_time_s_outside``: the median ``dur_s`` of the
+    surviving steps inside no window (None without a window). Per fault: ``window_s``,
+    ``step_s_inside`` (median over its window's steps) and ``degraded_s`` = max(0, their
+    summed ``dur_s`` - their number x ``step_time_s_outside``). ``degraded_s`` of the run:
+    the same over the steps inside any window (0.0 without one).
+
+Stragglers (``stragglers``)
+    Every rank's ``step`` records that carry ``busy_s`` (the training thread's time on or
+    waiting for a CPU during the step) give ``stragglers``: ``stragglers.find`` over windows
+    of ``stragglers.window_for`` the reference rank's first step durations, from ``t0`` to
+    ``t1``; a list of ``Straggler`` episodes by begin (empty without ``busy_s``).
+
 Cost: O(n log n) in the number of events. Other ranks' step records may come folded
 (``reader.StepDigest``: ``read_run(fold_steps_except=reference_rank)``): they inform only
-``t0``/``t1``, ``recovered_ts``, ``run``, ``num_attempts`` and ``num_iterations``, which read
-the digest alike, so the report is the same and its memory 16 bytes per folded step.
+``t0``/``t1``, ``recovered_ts``, ``run``, ``num_attempts``, ``num_iterations`` and
+``stragglers``, which read the digest alike, so the report is the same and its memory 16 bytes
+per folded step (24 with ``busy_s``).
 
-Files: this one (the partition and the figures) and ``fault_records`` (the walk over faults).
+Files: this one (the partition and the figures), ``fault_records`` (the walk over faults),
+``degraded`` (the windows' cost) and ``stragglers``.
 """
 
 from __future__ import annotations
