@@ -71,6 +71,22 @@ def test_a_lead_in_a_single_window_is_noise() -> None:
     assert find(samples, t0=0.0, t1=31.0, window_s=2.5) == []
 
 
+def _quiet(samples, rank: int, start: float, end: float):
+    """``rank`` busy like the others for the steps ending in [start, end)."""
+    rows = samples[rank]
+    samples[rank] = [(t, d, 0.2 * d if start <= t < end else b) for t, d, b in rows]
+    return samples
+
+
+def test_one_quiet_window_does_not_split_an_episode_but_two_do() -> None:
+    samples = _quiet(_samples(slowed_run(slow=(10.0, 40.0), end=50.0)), 1, 21.0, 22.5)
+    (x,) = find(samples, t0=0.0, t1=51.0, window_s=2.5)
+    assert x.rank == 1 and x.begin_ts <= 10.0 and x.end_ts >= 40.0
+    samples = _quiet(_samples(slowed_run(slow=(10.0, 40.0), end=50.0)), 1, 20.0, 26.0)
+    first, second = find(samples, t0=0.0, t1=51.0, window_s=2.5)
+    assert first.rank == second.rank == 1 and first.end_ts < 21.0 and second.begin_ts > 24.0
+
+
 def test_steps_slower_than_a_window_are_still_judged() -> None:
     # 5 s steps while windows are 1 s: windows merge until each rank has 2 steps.
     samples = _samples(slowed_run(slow=(5.0, 45.0), slow_dur=5.0, end=60.0, dur=0.2))

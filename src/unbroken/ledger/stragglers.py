@@ -14,10 +14,11 @@ rank that waited for it slept. So a rank's *busy ratio* over some steps is the s
   ``WINDOW_STEPS`` typical steps, at least ``MIN_WINDOW_S``); a step belongs to the window its
   end falls in; consecutive windows are merged until every rank with steps in them has at
   least ``MIN_STEPS`` (steps slower than a window still get judged); in each such group every
-  rank gets its busy ratio and ``judge`` names the stragglers; consecutive groups in which the
-  same rank is named make one ``Straggler`` episode (its steps' span, its ratio over them, and
-  the median over those groups of the other ranks' median ratio), reported when it spans at
-  least ``MIN_WINDOWS`` groups.
+  rank gets its busy ratio and ``judge`` names the stragglers; the groups that name the same
+  rank, with at most ``MAX_GAP`` groups in a row between them that do not, make one
+  ``Straggler`` episode (the span of its steps in the groups that named it, its ratio over
+  them, and the median over those groups of the other ranks' median ratio), reported when at
+  least ``MIN_WINDOWS`` groups named it.
 
 Pure functions over ``(end ts, dur_s, busy_s)`` samples, one iterable per rank (read once, so
 a digest of millions of steps is never copied): ``goodput.compute`` puts the episodes in the
@@ -44,7 +45,9 @@ MIN_WINDOW_S = 1.0
 MIN_STEPS = 2
 """Least steps of a rank in a window for its ratio to count."""
 MIN_WINDOWS = 2
-"""Least consecutive windows an episode spans (a one-window lead is noise: a busy machine)."""
+"""Least windows that name the rank in an episode (a one-window lead is noise: a busy machine)."""
+MAX_GAP = 1
+"""Windows in a row that may not name the rank inside one episode (noise the other way)."""
 CALIBRATION_STEPS = 20
 """The window is sized on the median of this many first steps (so it does not move later)."""
 
@@ -145,7 +148,9 @@ def find(
             ep = open_.setdefault(rank, _Episode())
             ep.add(group[rank], statistics.median(v for r, v in ratios.items() if r != rank))
         for rank in [r for r in open_ if r not in named]:
-            out.append(open_.pop(rank).straggler(rank))
+            open_[rank].missed += 1
+            if open_[rank].missed > MAX_GAP:
+                out.append(open_.pop(rank).straggler(rank))
     out += [ep.straggler(rank) for rank, ep in open_.items()]
     return sorted((e for e in out if e.windows >= MIN_WINDOWS), key=lambda e: (e.begin_ts, e.rank))
 
@@ -182,8 +187,11 @@ class _Episode:
         self.steps = 0
         self.begin, self.end = math.inf, -math.inf
         self.others: list[float] = []
+        self.missed = 0
+        """Groups since the last one that named the rank."""
 
     def add(self, sums: tuple[float, float, int, float, float], others: float) -> None:
+        self.missed = 0
         busy, dur, steps, begin, end = sums
         self.busy += busy
         self.dur += dur
