@@ -28,10 +28,9 @@ from unbroken.launcher.monitor import (
     HeartbeatServer,
     HeartbeatTracker,
     Observed,
-    proc_runnable_s,
-    proc_sent_bytes,
 )
 from unbroken.launcher.signals import SignalPipe
+from unbroken.launcher.slowness import proc_runnable_s, proc_sent_bytes
 from unbroken.launcher.workers import LocalWorkers
 from unbroken.launcher.zygote import Zygote
 from unbroken.ledger import Ledger, owner, process_start_time

@@ -15,20 +15,8 @@ tests drive it with scripted heartbeats and times:
   ``<run_dir>/launcher/heartbeats.json`` across restarts;
 - a worker "finishing" (past its last step, or restarting in-process) gets the configured
   initial timeout until its next heartbeat without that flag;
-- a silent worker that is computing is slow, not hung: when a deadline passes and some
-  suspect of the node (a worker late, or within half a timeout of it) was runnable for at least
-  ``BUSY_CORES`` of the time since it became one (``runnable_s``: the time its threads ran or
-  waited to run, /proc's schedstat), every suspect gets one more timeout, up to ``BUSY_LIMIT``
-  timeouts of silence (a loop that spins is a hang too). A hung rank sleeps or waits (a collective whose peer never comes, a
-  lock), and so does every rank waiting on it; a busy machine's slow step computes. That time is
-  measured from the half-timeout mark, not the heartbeat: the end of the step that sent it
-  (a snapshot's copy, the next batch) is work, not progress;
-- a silent worker that is sending is slow, not hung either: a collective over a degraded
-  network (delay, loss) sleeps in the kernel while its data trickles out. When some suspect
-  wrote at least ``SENDING_BYTES_S`` bytes a second since it became one (``sent_bytes``: the
-  bytes its write calls passed to the kernel, sockets included: /proc's io ``wchar``), every
-  suspect gets one more timeout, up to ``SENDING_LIMIT`` timeouts of silence. A hung collective
-  sends nothing: its peer never takes the data (or never sent its own).
+- a silent worker that computes or sends is slow, not hung: its suspects get more time
+  (``slowness``: the rules, what they read of /proc, their limits).
 
 Datagrams from an earlier round or another pid are ignored, and so are datagrams not signed
 with the job's secret (HMAC-SHA256; see ``parse_datagram``) or not shaped like a heartbeat.
@@ -40,71 +28,20 @@ import hashlib
 import hmac
 import json
 import logging
-import os
 import secrets
 import socket
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from unbroken.launcher import calibrate
+from unbroken.launcher.slowness import ByteCount, RunClock, slow_not_hung
 from unbroken.ledger.durable import write_atomic
 
 logger = logging.getLogger(__name__)
 
 STATE_FILE = "heartbeats.json"
-
-BUSY_CORES = 0.3
-"""Time a silent worker's threads ran or waited for a CPU (run queue), per second, above which it
-is computing. A hung worker sleeps or waits: 0.00-0.04 here (its heartbeat and monitor
-threads); a computing one is runnable all the time, ~1.0 however busy the machine (with four
-CPU hogs on 2 cores it ran 0.4 and waited 0.6), where its CPU time alone fell to 0.24."""
-BUSY_LIMIT = 4.0
-"""Timeouts of silence a computing worker is given at most."""
-SENDING_BYTES_S = 4096.0
-"""Bytes a second a silent worker writes, above which it is communicating (a hung one writes
-none: its heartbeats are datagrams, which this does not count, and it records no steps)."""
-SENDING_LIMIT = 30.0
-"""Timeouts of silence a communicating worker is given at most (a link 50 ms longer each way
-that loses 1% of its packets carries ~180 KB/s per TCP connection: a step of some MB takes the
-whole of a 20 s degradation)."""
-
-RunClock = Callable[[int], "float | None"]
-"""Seconds a process's threads have run or waited to run, None when it cannot be read."""
-ByteCount = Callable[[int], "int | None"]
-"""Bytes a process has written (to files, pipes, sockets), None when it cannot be read."""
-
-
-def proc_runnable_s(pid: int) -> float | None:
-    """Seconds the live threads of process ``pid`` have spent on a CPU or in its run queue
-    (/proc/<pid>/task/*/schedstat); None when the process is gone or /proc cannot say."""
-    total = 0
-    try:
-        tids = os.listdir(f"/proc/{pid}/task")
-    except OSError:
-        return None
-    for tid in tids:
-        try:
-            run, wait = Path(f"/proc/{pid}/task/{tid}/schedstat").read_text().split()[:2]
-            total += int(run) + int(wait)
-        except (OSError, ValueError):
-            continue  # a thread that just ended
-    return total / 1e9 if tids else None
-
-
-def proc_sent_bytes(pid: int) -> int | None:
-    """Bytes process ``pid`` passed to write calls so far, sockets included (/proc/<pid>/io
-    ``wchar``; a collective's sends count, datagrams sent with sendto do not); None when the
-    process is gone or /proc cannot say."""
-    try:
-        for line in Path(f"/proc/{pid}/io").read_text().splitlines():
-            if line.startswith("wchar:"):
-                return int(line.split()[1])
-    except (OSError, ValueError, IndexError):
-        return None
-    return None
-
 
 _INT_FIELDS = ("lr", "rank", "pid", "round")
 _OPT_INT_FIELDS = ("step", "committed")
@@ -491,10 +428,9 @@ class HeartbeatTracker:
         return out
 
     def _computing(self, suspects: list[Hang], now: float) -> bool:
-        """True (and every suspect's deadline moved on by one timeout) when one of them is
-        computing and none has been silent for ``BUSY_LIMIT`` timeouts yet, or one of them is
-        sending and none has been silent for ``SENDING_LIMIT`` timeouts yet."""
-        why, limit = self._slow(suspects)
+        """True (and every suspect's deadline moved on by one timeout) when they are slow, not
+        hung (``slowness.slow_not_hung``)."""
+        why, limit = slow_not_hung(suspects)
         if why is None:
             return False
         for h in suspects:
@@ -510,26 +446,3 @@ class HeartbeatTracker:
             min(h.timeout_s for h in suspects),
         )
         return True
-
-    @staticmethod
-    def _slow(suspects: list[Hang]) -> tuple[str | None, float]:
-        """(why the suspects are slow, not hung, and the limit in timeouts) or (None, 0)."""
-
-        def within(limit: float) -> bool:
-            return not any(h.silent_s >= limit * h.timeout_s for h in suspects)
-
-        for h in suspects:
-            if h.runnable is not None and h.runnable >= BUSY_CORES and within(BUSY_LIMIT):
-                return (
-                    f"rank {h.rank} is computing (it ran or waited to run {h.runnable:.2f} "
-                    "of the time)",
-                    BUSY_LIMIT,
-                )
-        for h in suspects:
-            if h.sending is not None and h.sending >= SENDING_BYTES_S and within(SENDING_LIMIT):
-                return (
-                    f"rank {h.rank} is sending ({h.sending / 1e3:.1f} kB/s: a collective over "
-                    "a slow network)",
-                    SENDING_LIMIT,
-                )
-        return None, 0.0

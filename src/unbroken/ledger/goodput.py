@@ -133,10 +133,9 @@ Files: this one (the partition and the figures), ``fault_records`` (the walk ove
 
 from __future__ import annotations
 
-import itertools
 import statistics
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
@@ -474,7 +473,7 @@ def compute(
         step_time_s_outside=outside_s,
         degraded_s=degraded_s,
         stragglers=stragglers.find(
-            _busy_samples(ordered, folded),
+            stragglers.samples_of(ordered, folded),
             t0=t0,
             t1=t1,
             window_s=stragglers.window_for(float(e.dur_s or 0.0) for e in timeline.ref_steps),
@@ -485,21 +484,3 @@ def compute(
 def _priced(record: FaultRecord, figures: tuple[float | None, float | None]) -> FaultRecord:
     inside, cost = figures
     return replace(record, step_s_inside=inside, degraded_s=cost)
-
-
-def _busy_samples(
-    ordered: Sequence[Event], folded: StepDigest | None
-) -> dict[int, Iterable[stragglers.Sample]]:
-    """Per rank, its step records' (end, dur_s, busy_s), from the events and the digest."""
-    out: dict[int, list[stragglers.Sample]] = {}
-    for e in ordered:
-        busy = e.get("busy_s") if e.kind == STEP else None
-        if busy is not None and e.dur_s is not None and e.rank >= 0:
-            out.setdefault(e.rank, []).append((float(e.ts), e.dur_s, float(busy)))
-    samples: dict[int, Iterable[stragglers.Sample]] = dict(out)
-    for rank, busy in (folded.busy if folded is not None else {}).items():
-        spans = folded.spans[rank]  # type: ignore[union-attr]
-        digest = zip(spans[0::2], spans[1::2], busy, strict=True)
-        more = ((end, end - begin, b) for begin, end, b in digest)
-        samples[rank] = itertools.chain(out.get(rank, ()), more)
-    return samples

@@ -21,18 +21,22 @@ rank that waited for it slept. So a rank's *busy ratio* over some steps is the s
   least ``MIN_WINDOWS`` groups named it.
 
 Pure functions over ``(end ts, dur_s, busy_s)`` samples, one iterable per rank (read once, so
-a digest of millions of steps is never copied): ``goodput.compute`` puts the episodes in the
+a digest of millions of steps is never copied; ``samples_of`` makes them from step records): ``goodput.compute`` puts the episodes in the
 report, the dashboard judges each rank's latest steps.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 import statistics
 from array import array
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
+
+from unbroken.ledger.events import STEP, Event
+from unbroken.ledger.reader import StepDigest
 
 MIN_RATIO = 0.6
 """Least busy ratio of a straggler (a throttled rank's measures 0.8-1.0 here)."""
@@ -209,3 +213,21 @@ class _Episode:
             others_ratio=float(statistics.median(self.others)),
             windows=len(self.others),
         )
+
+
+def samples_of(
+    ordered: Sequence[Event], folded: StepDigest | None = None
+) -> dict[int, Iterable[Sample]]:
+    """Per rank, its step records' (end, dur_s, busy_s), from the events and the digest."""
+    out: dict[int, list[Sample]] = {}
+    for e in ordered:
+        busy = e.get("busy_s") if e.kind == STEP else None
+        if busy is not None and e.dur_s is not None and e.rank >= 0:
+            out.setdefault(e.rank, []).append((float(e.ts), e.dur_s, float(busy)))
+    samples: dict[int, Iterable[Sample]] = dict(out)
+    for rank, busy in (folded.busy if folded is not None else {}).items():
+        spans = folded.spans[rank]  # type: ignore[union-attr]
+        digest = zip(spans[0::2], spans[1::2], busy, strict=True)
+        more = ((end, end - begin, b) for begin, end, b in digest)
+        samples[rank] = itertools.chain(out.get(rank, ()), more)
+    return samples
