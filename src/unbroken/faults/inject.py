@@ -7,8 +7,11 @@ killed the machine's page cache along with the process.
 
 The ``fault_injected`` record is flushed before anything lethal. A kind that changes state
 first (``checkpoint-corruption``: the bytes it flipped; ``node-loss``: who dies) records what
-it did in that record; a kind that ends no process (``slow-storage``) says ``disruptive:
-false``, so that goodput opens no outage for it.
+it did in that record; a kind that ends no process (``slow-storage``, ``slow-rank``,
+``network``) says ``disruptive: false``, so that goodput opens no outage for it, and one that
+degrades for a while (``slow-rank``: ``slowrank``; ``network``: ``link``, applied by the
+emulated cluster) records its ``window_s`` and how it was applied (``mechanism``,
+``applied``), or why not.
 """
 
 from __future__ import annotations

@@ -9,8 +9,9 @@ straggler's ``busy_s / dur_s`` is near 1 and the others' lower (``stragglers``).
 
 The file is opened once per thread and read with one ``pread`` (a few microseconds). Where
 it cannot be read (not Linux, no schedstat) every reading is None and no ``busy_s`` is
-recorded. A thread that CPU time of other threads does the work for (a GPU job whose main
-thread waits on the device, intra-op thread pools) shows what that thread did, not the rank.
+recorded. Only the recording thread is measured: where other threads do the rank's work
+(intra-op thread pools, a GPU the thread waits on, by sleeping or by spinning) the figure
+says what that thread did, not what the rank did.
 """
 
 from __future__ import annotations
