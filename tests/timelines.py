@@ -87,3 +87,48 @@ def write(run_dir: Path, events: list[Event], *, name: str = "x.jsonl") -> Path:
     with open(path, "a") as f:
         f.write("".join(e.to_json() + "\n" for e in events))
     return path
+
+
+def slowed_run(
+    *,
+    slow: tuple[float, float] | None = (10.0, 20.0),
+    rank: int = 1,
+    ranks: tuple[int, ...] = (0, 1),
+    end: float = 30.0,
+    dur: float = 0.5,
+    slow_dur: float = 1.5,
+    busy: float = 0.6,
+    slow_busy: float = 0.95,
+    kind: str = "slow-rank",
+) -> list[Event]:
+    """Synchronous steps on ``ranks`` from 0 to about ``end`` s, each rank's training thread busy
+    ``busy`` of each ``dur`` s step (the ranks wait a little for each other); from slow[0] to
+    slow[1] ``rank`` is throttled (a non-disruptive ``kind`` fault at slow[0], its window
+    ``slow[1] - slow[0]``): steps take ``slow_dur`` s, ``rank`` busy ``slow_busy`` of them, the
+    others busy only for their own work (``busy x dur``) and waiting the rest."""
+    events = [
+        rec(ev.PROCESS_START, 0.0, rank=r, world_size=len(ranks), host=f"h{r}") for r in ranks
+    ]
+    if slow is not None:
+        events.append(
+            rec(
+                ev.FAULT_INJECTED,
+                slow[0],
+                rank=rank,
+                fault=kind,
+                step=None,
+                index=0,
+                disruptive=False,
+                window_s=slow[1] - slow[0],
+            )
+        )
+    t, n = 0.0, 0
+    while t < end:
+        slowed = slow is not None and slow[0] <= t < slow[1]
+        d = slow_dur if slowed else dur
+        t += d
+        for r in ranks:
+            b = (slow_busy * d if r == rank else busy * dur) if slowed else busy * d
+            events.append(rec(ev.STEP, t, rank=r, dur_s=d, step=n, busy_s=round(b, 6)))
+        n += 1
+    return events

@@ -89,6 +89,21 @@ def _cmd_faults_show(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_faults_kinds(args: argparse.Namespace) -> int:
+    import textwrap
+
+    from unbroken.faults import KINDS
+    from unbroken.faults.plan import NON_DISRUPTIVE, PARAMS
+
+    for kind, what in KINDS.items():
+        tag = " (non-disruptive: nothing restarts)" if kind in NON_DISRUPTIVE else ""
+        print(f"{kind}{tag}")
+        print(textwrap.fill(what, width=96, initial_indent="    ", subsequent_indent="    "))
+        for name, (default, takes) in PARAMS.get(kind, {}).items():
+            print(f"    {name}: {takes}; default {default}")
+    return 0
+
+
 def _cmd_dashboard(args: argparse.Namespace) -> int:
     from unbroken.dashboard import app
 
@@ -176,6 +191,8 @@ def build_parser() -> argparse.ArgumentParser:
     fs.add_argument("plan", help="a fault plan (YAML)")
     fs.add_argument("--world-size", type=int, default=None, help="check ranks against a world")
     fs.set_defaults(func=_cmd_faults_show)
+    fk = fsub.add_parser("kinds", help="every fault kind: what it does, its parameters")
+    fk.set_defaults(func=_cmd_faults_kinds)
 
     from unbroken.dashboard.app import add_arguments as dashboard_arguments
 

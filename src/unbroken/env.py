@@ -307,6 +307,9 @@ staging arena so that its snapshots outlive the worker (``unbroken.launcher.keep
 UNBROKEN_WORKER_STARTED = "UNBROKEN_WORKER_STARTED"
 """``<pid>:<epoch seconds>``: when a standby of the warm pool became this worker (its process
 is older); see ``standby_start``."""
+UNBROKEN_LINK_FAULTS = "UNBROKEN_LINK_FAULTS"
+"""Set ("1") by an emulated cluster whose orchestrator applies ``network`` faults between its
+pods (``unbroken.faults.link``); unset, such a fault is recorded as not applied."""
 
 
 def standby_start(environ: Mapping[str, str] | None = None) -> float | None:

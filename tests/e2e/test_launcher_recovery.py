@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from procs import run, train_cmd, unbroken_run_cmd, worker_env
-from unbroken.launcher import errors, monitor
+from unbroken.launcher import errors, slowness
 from unbroken.ledger import goodput, read_events
 
 pytestmark = pytest.mark.e2e
@@ -269,4 +269,4 @@ def test_a_silent_node_is_hung_only_when_nothing_computes(mode: str, tmp_path: P
             for r in detected
             for m in re.findall(r"waited to run ([0-9.]+) of the time", r["message"])
         ]
-        assert cores and max(cores) < monitor.BUSY_CORES, detected
+        assert cores and max(cores) < slowness.BUSY_CORES, detected

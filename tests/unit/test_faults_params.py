@@ -18,9 +18,9 @@ def one(kind: str, **params: Any) -> dict[str, Any]:
     return {"faults": [{"step": 4, "rank": 1, "kind": kind, **params}]}
 
 
-def test_new_kinds_are_known_and_only_slow_storage_is_non_disruptive() -> None:
+def test_new_kinds_are_known_and_only_the_degrading_ones_are_non_disruptive() -> None:
     assert set(NEW_KINDS) <= set(KINDS) and set(NEW_KINDS) <= set(PARAMS)
-    assert set(NON_DISRUPTIVE) == {"slow-storage"}
+    assert set(NON_DISRUPTIVE) == {"slow-storage", "slow-rank", "network"}
     plan = parse_plan({"faults": [{"step": 1, "rank": 0, "kind": k} for k in NEW_KINDS]})
     assert [f.disruptive for f in plan.faults] == [False, True, True]
 

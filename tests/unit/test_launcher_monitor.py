@@ -14,12 +14,8 @@ from unbroken import env as uenv
 from unbroken.launcher import client
 from unbroken.launcher import config as lconfig
 from unbroken.launcher.calibrate import INITIAL_FLOOR_S, STEADY_FLOOR_S, WARMUP
-from unbroken.launcher.monitor import (
-    HeartbeatServer,
-    HeartbeatTracker,
-    Observed,
-    proc_runnable_s,
-)
+from unbroken.launcher.monitor import HeartbeatServer, HeartbeatTracker, Observed
+from unbroken.launcher.slowness import SENDING_LIMIT, proc_runnable_s, proc_sent_bytes
 
 
 def tracker(**kw: object) -> HeartbeatTracker:
@@ -317,3 +313,49 @@ def test_proc_runnable_s_counts_time_running_and_waiting_for_a_cpu(tmp_path: Pat
     assert spun >= 0.8, spun  # it ran on at most about half of that second
     assert slept < 0.05, slept
     assert proc_runnable_s(spin[0].pid) is None  # gone
+
+
+def test_a_silent_worker_that_sends_is_slow_not_hung_until_the_sending_limit() -> None:
+    """A collective over a degraded network: both ranks sleep in the kernel while their data
+    trickles out (no CPU, but bytes written); a hung collective writes nothing."""
+    cpu, sent = FakeRunnable(), FakeRunnable()
+    cpu.used = {100: 5.0, 101: 5.0}
+    sent.used = {100: 1e6, 101: 1e6}
+    t = tracker(runnable_s=cpu, sent_bytes=sent)
+    t.begin_round(0, {0: (0, 100), 1: (1, 101)}, now=0.0)
+    t.record(hb(0, step=1), now=1.0)
+    t.record(hb(1, step=1), now=1.0)
+    assert t.overdue(2.0) == []  # suspects from here
+    sent.used = {100: 1e6 + 200e3, 101: 1e6 + 200e3}  # 200 kB/s each
+    assert t.overdue(3.0) == []  # 2 s silent, sending
+    assert t.next_deadline() == pytest.approx(5.0)
+    now = 3.0
+    while now + 2.0 < 1.0 + SENDING_LIMIT * 2.0:  # extended a timeout at a time
+        now += 2.0
+        sent.used = {k: v + 400e3 for k, v in sent.used.items()}
+        assert t.overdue(now) == [], now
+    now += 2.0
+    sent.used = {k: v + 400e3 for k, v in sent.used.items()}
+    hangs = t.overdue(now)  # a link that never delivers a step: a hang in the end
+    assert [h.rank for h in hangs] == [0, 1] and hangs[0].sending == pytest.approx(200e3)
+    # the data stops flowing: hung at the next deadline
+    t.record(hb(0, step=2), now=100.0)
+    t.record(hb(1, step=2), now=100.0)
+    assert t.overdue(101.0) == []  # suspects: measured from here
+    hangs = t.overdue(102.0)
+    assert [h.rank for h in hangs] == [0, 1] and hangs[0].sending == 0.0
+
+
+def test_proc_sent_bytes_counts_what_a_process_writes(tmp_path: Path) -> None:
+    code = "import os, sys, time\nos.write(1, b'x' * 100000)\ntime.sleep(60)"
+    with open(tmp_path / "out", "wb") as out:
+        proc = subprocess.Popen([sys.executable, "-c", code], stdout=out)
+        try:
+            deadline = time.monotonic() + 10
+            while (proc_sent_bytes(proc.pid) or 0) < 100000:
+                assert time.monotonic() < deadline, proc_sent_bytes(proc.pid)
+                time.sleep(0.02)
+        finally:
+            proc.kill()
+            proc.wait()
+    assert proc_sent_bytes(proc.pid) is None  # gone

@@ -1,7 +1,8 @@
 """``unbroken bench k8s``: a node lost from a 3-node job on the emulated Kubernetes cluster.
 
 The job is rendered by ``unbroken k8s render`` (Indexed Job + headless Service + the store
-pod) and run by the emulated cluster (``unbroken.k8s.emulate``: an emulation, so labelled);
+pod) and run by the emulated cluster (``unbroken.k8s.emulate``: an emulation, so labelled),
+which applies the ``network`` faults of a plan among the training arguments (``netfaults``);
 once rank 0 completed step ``--at-step`` and every agent reached the rendezvous store (a spare
 is waiting), one node is lost (its link goes down, then every
 process of it dies; the pod gets ``DisruptionTarget``). Configurations:
@@ -32,13 +33,14 @@ import json
 import logging
 import os
 import re
-import shutil
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from unbroken.bench.k8s_workdir import fresh_workdir, not_ours
+from unbroken.bench.netfaults import NetworkFaults
 from unbroken.k8s import render
 from unbroken.k8s import spec as kspec
 from unbroken.k8s.emulate import Cluster, EmulationConfig
@@ -264,12 +266,13 @@ def _target(run: NodeLoss, cluster: Cluster, tail: LedgerTail) -> str:
 def emulated_cluster(
     workdir: Path, *, volume: Path, mode: str, pod_start_delay_s: float
 ) -> Cluster:
-    """An emulated cluster whose ``unbroken-run``/``unbroken``/``torchrun`` are this Python's."""
+    """An emulated cluster whose ``unbroken-run``/``unbroken``/``torchrun`` are this Python's,
+    which applies the network faults of the runs on ``volume`` (``netfaults``)."""
     py = sys.executable
     src = str(Path(__file__).resolve().parents[2])
     env = dict(os.environ, OMP_NUM_THREADS="1")
     env["PYTHONPATH"] = src + os.pathsep + env.get("PYTHONPATH", "")
-    return Cluster(
+    cluster = Cluster(
         workdir,
         cfg=EmulationConfig(mode=mode, pod_start_delay_s=pod_start_delay_s),
         commands={
@@ -280,28 +283,8 @@ def emulated_cluster(
         volumes={CLAIM: volume},
         env=env,
     )
-
-
-def _not_ours(workdir: Path) -> str | None:
-    """Why ``workdir`` cannot take a run (a file, or non-empty with no earlier run of ours),
-    or None."""
-    if workdir.exists() and not workdir.is_dir():
-        return f"{workdir} is a file, not a directory: pass a new --out"
-    if workdir.is_dir() and any(workdir.iterdir()) and not (workdir / "volume").is_dir():
-        return f"{workdir} is not empty and holds no earlier bench k8s run: pass a new --out"
-    return None
-
-
-def fresh_workdir(workdir: Path) -> None:
-    """Empty ``workdir`` for a new run: an earlier run there (its ``volume``) is removed, since
-    its ledger would read as this run's progress (its steps, its connected nodes); ValueError
-    for a non-empty directory that holds no earlier run (not ours to delete)."""
-    why = _not_ours(workdir)
-    if why is not None:
-        raise ValueError(why)
-    if workdir.is_dir():
-        shutil.rmtree(workdir)
-    workdir.mkdir(parents=True)
+    NetworkFaults(cluster, volume)
+    return cluster
 
 
 def run_node_loss(run: NodeLoss, workdir: Path) -> NodeLossResult:
@@ -422,7 +405,7 @@ def main(a: argparse.Namespace) -> int:
     clean_hash = None
     configs = ["clean", *[c for c in a.configs if c != "clean"]]
     for name in configs:  # before the first run: a foreign directory fails at once
-        why = _not_ours(out / name)
+        why = not_ours(out / name)
         if why is not None:
             print(f"error: {why}", file=sys.stderr)
             return 2

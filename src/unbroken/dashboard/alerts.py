@@ -17,6 +17,9 @@ rules (thresholds in ``AlertConfig``):
   ``min_goodput`` (at most once per window length).
 - ``ckpt_skipped`` (warning): ``skipped_in_a_row`` saves skipped on the reference rank without
   a commit between (once per run of skips).
+- ``straggler`` (warning): a rank named a straggler by its busy ratio (``RunReport.stragglers``:
+  ``ledger.stragglers``), slowing every rank in a synchronous job; one per episode. It is
+  not restarted: a slow rank is no hung rank.
 
 Prometheus users get the same rules over the exported metrics in ``rules/unbroken-alerts.yaml``.
 """
@@ -266,6 +269,22 @@ def evaluate(
             )
         )
     out.extend(_checkpoint_alerts(index, steps, now=now, cfg=cfg))
+    for x in report.stragglers:
+        out.append(
+            Alert(
+                name="straggler",
+                severity="warning",
+                key=f"straggler:{x.rank}:{x.begin_ts:.0f}",
+                summary=(
+                    f"rank {x.rank} is a straggler: busy {x.busy_ratio * 100:.0f}% of its step "
+                    f"time against {x.others_ratio * 100:.0f}% for the others, "
+                    f"{x.end_ts - x.begin_ts:.1f} s ({x.steps} steps); every rank waits for it"
+                ),
+                ts=x.begin_ts,
+                labels={"rank": str(x.rank)},
+                value=x.busy_ratio,
+            )
+        )
     g = windowed_goodput(index, cfg.goodput_window_s) if goodput_window is True else goodput_window
     if isinstance(g, float) and g < cfg.min_goodput:
         start = index.t1 - cfg.goodput_window_s

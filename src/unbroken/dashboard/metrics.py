@@ -134,6 +134,14 @@ class LedgerCollector:
             "What the faults cost: fault to training resumed, and the steps redone",
             [],
         )
+        degraded = self._counter(
+            "unbroken_degraded_seconds",
+            "What degradations cost: step time in their windows beyond undegraded steps",
+            [],
+        )
+        stragglers = self._counter(
+            "unbroken_straggler_episodes", "Straggler episodes, by rank", ["rank"]
+        )
         restarts = self._counter(
             "unbroken_restarts", "Faults restarted by a recovery layer", ["layer", "cause"]
         )
@@ -169,6 +177,12 @@ class LedgerCollector:
             for name, seconds in rep.custom_s.items():
                 self._add(phase_s, [run, name], seconds)
             self._add(fault_cost, [run], rep.fault_s)
+            self._add(degraded, [run], rep.degraded_s)
+            episodes: dict[int, int] = {}
+            for x in rep.stragglers:
+                episodes[x.rank] = episodes.get(x.rank, 0) + 1
+            for r, n in sorted(episodes.items()):
+                self._add(stragglers, [run, str(r)], n)
             by_layer: dict[tuple[str, str], int] = {}
             by_kind: dict[tuple[str, str, str], int] = {}
             by_class: dict[str, int] = {}
@@ -208,6 +222,8 @@ class LedgerCollector:
             ml_badput,
             phase_s,
             fault_cost,
+            degraded,
+            stragglers,
             restarts,
             faults,
             lost,
@@ -258,6 +274,14 @@ class _Gauges:
         "unbroken_heartbeat_age_seconds": ("Seconds since the rank's last step", ["rank"]),
         "unbroken_rank_step_duration_seconds": ("Median of the rank's last steps", ["rank"]),
         "unbroken_rank_step_deviation_ratio": ("Rank step time / median over ranks - 1", ["rank"]),
+        "unbroken_rank_busy_ratio": (
+            "Rank's time on or waiting for a CPU / step time, its last steps",
+            ["rank"],
+        ),
+        "unbroken_straggler": (
+            "1 while the rank is a straggler by its busy ratio, else 0",
+            ["rank"],
+        ),
         "unbroken_restart_budget_used_ratio": ("Launcher restarts used / --max-restarts", []),
         "unbroken_alerts": ("Alerts raised, by rule and severity", ["name", "severity"]),
         "unbroken_fault_recovery_ratio": (
@@ -303,6 +327,9 @@ class _Gauges:
             s("unbroken_heartbeat_age_seconds", rank, r.get("heartbeat_age_s"))
             s("unbroken_rank_step_duration_seconds", rank, r.get("step_time_s"))
             s("unbroken_rank_step_deviation_ratio", rank, r.get("deviation"))
+            if r.get("busy_ratio") is not None:
+                s("unbroken_rank_busy_ratio", rank, r.get("busy_ratio"))
+                s("unbroken_straggler", rank, bool(r.get("straggler")))
         rs = snap.get("restarts", {})
         if rs.get("launcher_budget"):
             s(

@@ -11,7 +11,12 @@ records here, by these definitions:
 - heartbeat age of a rank: ``now`` minus the end of its last step record (``ctx.step_done`` sends
   the launcher's heartbeat and writes that record together);
 - step time of a rank: median ``dur_s`` of its last ``RANK_WINDOW`` steps; deviation: that over
-  the median across ranks, minus 1 (a straggler is slower by more than ``STRAGGLER``);
+  the median across ranks, minus 1 (in synchronous training every rank's step takes as long,
+  so this names no straggler: it shows ranks out of step, e.g. one restarting);
+- busy ratio of a rank: the sum of ``busy_s`` over the sum of ``dur_s`` of its last
+  ``RANK_WINDOW`` steps that carry ``busy_s`` (None without); a rank is a straggler when
+  ``ledger.stragglers.judge`` names it among these ratios (the report's straggler episodes
+  are in ``stragglers``, the degradation cost in ``figures.degraded_s``);
 - checkpoint freshness: the newest ``ckpt_commit``'s step and age, steps completed since it,
   saves skipped (total, and in a row since the last commit), saves in flight (staged by the
   reference rank, neither committed nor failed nor skipped), staging memory and writer RSS from
@@ -28,11 +33,11 @@ from unbroken.dashboard.index import REF, EventIndex
 from unbroken.ledger import events as ev
 from unbroken.ledger.events import Event
 from unbroken.ledger.goodput import ML_GOODPUT, RunReport
+from unbroken.ledger.stragglers import judge
 
 MAX_POINTS = 2000
 RATE_WINDOW_S = 30.0
 RANK_WINDOW = 20
-STRAGGLER = 0.2
 
 
 def _thin(points: list[tuple[float, int]]) -> list[tuple[float, int]]:
@@ -125,6 +130,8 @@ def _ranks(index: EventIndex, now: float) -> list[dict[str, Any]]:
         recs.sort(key=lambda e: e.ts)
         last = recs[-1]
         durs = [e.dur_s for e in recs[-RANK_WINDOW:] if e.dur_s is not None]
+        busy = [e for e in recs if e.get("busy_s") is not None and e.dur_s][-RANK_WINDOW:]
+        spent = sum(float(e.dur_s or 0.0) for e in busy)
         rows.append(
             {
                 "rank": rank,
@@ -132,16 +139,18 @@ def _ranks(index: EventIndex, now: float) -> list[dict[str, Any]]:
                 "last_ts": last.ts,
                 "heartbeat_age_s": max(0.0, now - last.ts),
                 "step_time_s": statistics.median(durs) if durs else None,
+                "busy_ratio": sum(float(e.get("busy_s")) for e in busy) / spent if spent else None,
                 "attempt": last.attempt,
                 "iteration": last.iteration,
             }
         )
     times = [r["step_time_s"] for r in rows if r["step_time_s"]]
     mid = statistics.median(times) if times else None
+    named = set(judge({r["rank"]: r["busy_ratio"] for r in rows if r["busy_ratio"] is not None}))
     for r in rows:
         dev = None if not mid or r["step_time_s"] is None else r["step_time_s"] / mid - 1.0
         r["deviation"] = dev
-        r["straggler"] = dev is not None and dev > STRAGGLER
+        r["straggler"] = r["rank"] in named
     return rows
 
 
@@ -192,6 +201,8 @@ def build(
             "recovery_s_median": report.recovery_s_median,
             "faults": len(report.faults),
             "steps_lost": sum(f.steps_lost or 0 for f in report.faults),
+            "degraded_s": report.degraded_s,
+            "step_time_s_outside": report.step_time_s_outside,
         },
         "badput_s": report.badput_s,
         "ml_goodput": dict(ML_GOODPUT),
@@ -200,6 +211,10 @@ def build(
         "faults": faults,
         "by_class": {k: g.to_dict() for k, g in report.by_class.items()},
         "by_phase": {k: g.to_dict() for k, g in report.by_phase.items()},
+        "stragglers": [
+            {**x.to_dict(), "t": x.begin_ts - t0, "duration_s": x.end_ts - x.begin_ts}
+            for x in report.stragglers
+        ],
         "checkpoint": _checkpoint(index, points, now),
         "ranks": _ranks(index, now),
         "restarts": {

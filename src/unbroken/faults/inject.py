@@ -12,8 +12,11 @@ that an ``occurrence`` fault counts are kept in ``<run_dir>/faults/phases/r<rank
 
 The ``fault_injected`` record is flushed before anything lethal. A kind that changes state
 first (``checkpoint-corruption``: the bytes it flipped; ``node-loss``: who dies) records what
-it did in that record; a kind that ends no process (``slow-storage``) says ``disruptive:
-false``, so that goodput opens no outage for it.
+it did in that record; a kind that ends no process (``slow-storage``, ``slow-rank``,
+``network``) says ``disruptive: false``, so that goodput opens no outage for it, and one that
+degrades for a while (``slow-rank``: ``slowrank``; ``network``: ``link``, applied by the
+emulated cluster) records its ``window_s`` and how it was applied (``mechanism``,
+``applied``), or why not.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from unbroken.checkpoint import layout
-from unbroken.faults import node, oom, storage, throttle
+from unbroken.faults import link, node, oom, slowrank, storage, throttle
 from unbroken.faults.plan import FaultPlan, FaultSpec
 from unbroken.ledger import NULL, Recorder
 from unbroken.ledger import events as ev
@@ -173,6 +176,10 @@ class FaultInjector:
             extra = self._slow_storage(spec)
         elif spec.kind == "checkpoint-corruption":
             extra = self._corrupt(spec)
+        elif spec.kind == "slow-rank":
+            extra = _slow_rank(spec)
+        elif spec.kind == "network":
+            extra = link.request(spec, fired_dir=self.fired_dir)
         elif spec.kind == "node-loss":
             victims = node.find_node(self.agent_pid)
             extra = {"scope": victims.scope, "agent_pid": victims.agent_pid, "pids": victims.pids}
@@ -190,8 +197,8 @@ class FaultInjector:
             if victims is not None:  # its agent is stopped: never leave it so
                 node.lose(victims)
             raise
-        if spec.kind == "slow-storage":
-            return  # nothing dies: training goes on over slow storage
+        if not spec.disruptive:
+            return  # nothing dies: training goes on, slower
         if spec.kind == "exception":
             raise InjectedFault(f"injected fault {spec.describe()}")
         if spec.kind == "sigkill":
@@ -256,6 +263,19 @@ class FaultInjector:
         else:
             logger.warning("checkpoint-corruption: flipped bytes of %s", out["file"])
         return out
+
+
+def _slow_rank(spec: FaultSpec) -> dict[str, Any]:
+    """Throttle this process (``slowrank``); the record's window is its ``window_s``."""
+    cfg = spec.settings()
+    out: dict[str, Any] = {"cpu": cfg["cpu"], "seconds": cfg["seconds"]}
+    try:
+        out.update(slowrank.slow(os.getpid(), cpu=cfg["cpu"], seconds=cfg["seconds"]))
+    except OSError as e:  # not even a watcher: say so, train on at full speed
+        logger.warning("slow-rank: not applied: %s", e)
+        return {**out, "applied": False, "reason": f"no watcher process could start: {e}"}
+    out["window_s"] = cfg["seconds"]
+    return out
 
 
 def _hang() -> None:

@@ -15,6 +15,8 @@ their defaults::
       - {step: 20, rank: 0, kind: slow-storage, mbps: 2, saves: 3, ranks: all}
       - {step: 40, rank: 1, kind: checkpoint-corruption, target: manifest}
       - {step: 60, rank: 1, kind: node-loss}
+      - {step: 80, rank: 1, kind: slow-rank, cpu: 0.5, seconds: 30}
+      - {step: 90, rank: 0, kind: network, delay_ms: 50, loss: 1, seconds: 20, peers: [1]}
 
 An entry with ``phase`` fires on entry into that phase instead of after a step
 (``unbroken.ledger.phases``: unbroken's own ``init``, ``recovery``, ``restore``, ``save``,
@@ -65,6 +67,8 @@ FaultKind = Literal[
     "slow-storage",
     "checkpoint-corruption",
     "node-loss",
+    "slow-rank",
+    "network",
 ]
 
 # kind -> what it does (shown by `unbroken faults show`), in FaultKind's order
@@ -101,15 +105,29 @@ KINDS: dict[FaultKind, str] = {
         "the whole node dies at once: SIGKILL to the launcher agent (unbroken-run or torchrun), "
         "its warm pool, every worker and checkpoint writer; the orchestrator must relaunch it"
     ),
+    "slow-rank": (
+        "the rank's process gets only cpu (default 0.5) of one CPU for seconds s (default 30): "
+        "a cpu cgroup quota (else emulated: SIGSTOP/SIGCONT); it trains on, slower, as a "
+        "straggler that must not be restarted as hung"
+    ),
+    "network": (
+        "the emulated cluster delays each packet between the rank's pod and its peers' pods "
+        "(peers: all, or a list of ranks) by delay_ms ms (default 50) each way and drops loss "
+        "% of them (default 1) for seconds s (default 20); outside the emulated cluster it is "
+        "recorded as not applied"
+    ),
 }
 
 assert tuple(KINDS) == get_args(FaultKind), "KINDS describes every FaultKind, in order"
 
-NON_DISRUPTIVE = frozenset({"slow-storage"})
+NON_DISRUPTIVE = frozenset({"slow-storage", "slow-rank", "network"})
 """Kinds that end no process: nothing restarts, so goodput counts no outage for them (their
 ``fault_injected`` record says ``disruptive: false``)."""
 
 CORRUPTION_TARGETS = ("data", "manifest")
+
+MAX_WINDOW_S = 86_400.0
+"""Longest a degrading fault (slow-rank, network) may last."""
 
 # kind -> {parameter: (default, what it takes)}; kinds listed here accept no other parameter.
 PARAMS: dict[str, dict[str, tuple[Any, str]]] = {
@@ -125,6 +143,16 @@ PARAMS: dict[str, dict[str, tuple[Any, str]]] = {
     "node-loss": {},
     "oom-kill": {
         "limit_mb": (256, "an integer >= 1 (MB the rank may grow by)"),
+    },
+    "slow-rank": {
+        "cpu": (0.5, "a number in (0, 1] (the share of one CPU the rank keeps)"),
+        "seconds": (30.0, f"a number in (0, {MAX_WINDOW_S:g}] (how long)"),
+    },
+    "network": {
+        "delay_ms": (50.0, "a number in [0, 10000] (ms added to each packet, each way)"),
+        "loss": (1.0, "a number in [0, 100) (percent of packets dropped, each way)"),
+        "seconds": (20.0, f"a number in (0, {MAX_WINDOW_S:g}] (how long)"),
+        "peers": ("all", "'all' or a non-empty list of ranks (whose pods' links degrade)"),
     },
 }
 
@@ -192,6 +220,33 @@ def _check_params(kind: str, params: Mapping[str, Any], *, where: str) -> None:
         limit = params["limit_mb"]
         if not (_int(limit) and 1 <= limit <= 1 << 20):
             raise _param_error(where, "limit_mb", limit, kind)
+    elif kind in ("slow-rank", "network"):
+        _check_degrading(kind, params, where=where)
+
+
+def _check_degrading(kind: str, params: Mapping[str, Any], *, where: str) -> None:
+    """The parameters of slow-rank and network (see PARAMS)."""
+    ranges = {
+        "cpu": lambda v: 0 < v <= 1,
+        "seconds": lambda v: 0 < v <= MAX_WINDOW_S,
+        "delay_ms": lambda v: 0 <= v <= 10_000,
+        "loss": lambda v: 0 <= v < 100,
+    }
+    for name, ok in ranges.items():
+        if name in params and not (_number(params[name]) and ok(params[name])):
+            raise _param_error(where, name, params[name], kind)
+    if kind != "network":
+        return
+    peers = params.get("peers", "all")
+    if peers != "all" and not (
+        isinstance(peers, list) and peers and all(_int(r) and r >= 0 for r in peers)
+    ):
+        raise _param_error(where, "peers", peers, kind)
+    if params.get("delay_ms", 50.0) == 0 and params.get("loss", 1.0) == 0:
+        raise ValueError(
+            f"{where}: delay_ms and loss are both 0: nothing would degrade; give delay_ms > 0 "
+            "or loss > 0"
+        )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -245,6 +300,12 @@ class FaultSpec:
         if self.rank < 0:
             raise ValueError(f"fault #{self.index}: rank must be >= 0, got {self.rank}")
         _check_params(self.kind, self.params, where=f"fault #{self.index} ({self.kind})")
+        peers = self.params.get("peers") if self.kind == "network" else None
+        if isinstance(peers, list) and self.rank in peers:
+            raise ValueError(
+                f"fault #{self.index} (network): peers {peers} include the fault's own rank "
+                f"{self.rank}; list the ranks at the other end of its links"
+            )
 
     @property
     def disruptive(self) -> bool:
@@ -264,6 +325,9 @@ class FaultSpec:
             if out["ranks"] is None:
                 out["ranks"] = [self.rank]
             out["mbps"] = float(out["mbps"])
+        for name in ("cpu", "seconds", "delay_ms", "loss"):
+            if self.kind in ("slow-rank", "network") and name in out:
+                out[name] = float(out[name])
         return out
 
     def targets(self) -> list[int] | None:
@@ -271,6 +335,9 @@ class FaultSpec:
         if self.kind == "slow-storage":
             ranks = self.settings()["ranks"]
             return None if ranks == "all" else sorted(set(ranks))
+        if self.kind == "network":  # the rank's links to its peers
+            peers = self.settings()["peers"]
+            return None if peers == "all" else sorted({self.rank, *peers})
         return [self.rank]
 
     def describe(self) -> str:

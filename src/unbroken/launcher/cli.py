@@ -28,9 +28,9 @@ from unbroken.launcher.monitor import (
     HeartbeatServer,
     HeartbeatTracker,
     Observed,
-    proc_runnable_s,
 )
 from unbroken.launcher.signals import SignalPipe
+from unbroken.launcher.slowness import proc_runnable_s, proc_sent_bytes
 from unbroken.launcher.workers import LocalWorkers
 from unbroken.launcher.zygote import Zygote
 from unbroken.ledger import Ledger, owner, process_start_time
@@ -243,6 +243,7 @@ def _run(spec: largs.JobSpec, cfg: largs.lconfig.LauncherConfig, run_dir: Path, 
                 ev.TUNED, name=name, value=round(value, 4), previous=previous, layer="launcher"
             ),
             runnable_s=proc_runnable_s,
+            sent_bytes=proc_sent_bytes,
         )
         workers = LocalWorkers(
             spec,

@@ -68,7 +68,8 @@ def from_hangs(
                     f"; it ran or waited to run {h.runnable:.2f} of the time lately"
                     if h.runnable is not None
                     else ""
-                ),
+                )
+                + (f"; it wrote {h.sending:.0f} B/s lately" if h.sending is not None else ""),
             )
         )
     return out

@@ -15,14 +15,8 @@ tests drive it with scripted heartbeats and times:
   ``<run_dir>/launcher/heartbeats.json`` across restarts;
 - a worker "finishing" (past its last step, or restarting in-process) gets the configured
   initial timeout until its next heartbeat without that flag;
-- a silent worker that is computing is slow, not hung: when a deadline passes and some
-  suspect of the node (a worker late, or within half a timeout of it) was runnable for at least
-  ``BUSY_CORES`` of the time since it became one (``runnable_s``: the time its threads ran or
-  waited to run, /proc's schedstat), every suspect gets one more timeout, up to ``BUSY_LIMIT``
-  timeouts of silence (a loop that spins is a hang too). A hung rank sleeps or waits (a collective whose peer never comes, a
-  lock), and so does every rank waiting on it; a busy machine's slow step computes. That time is
-  measured from the half-timeout mark, not the heartbeat: the end of the step that sent it
-  (a snapshot's copy, the next batch) is work, not progress.
+- a silent worker that computes or sends is slow, not hung: its suspects get more time
+  (``slowness``: the rules, what they read of /proc, their limits).
 
 Datagrams from an earlier round or another pid are ignored, and so are datagrams not signed
 with the job's secret (HMAC-SHA256; see ``parse_datagram``) or not shaped like a heartbeat.
@@ -34,49 +28,20 @@ import hashlib
 import hmac
 import json
 import logging
-import os
 import secrets
 import socket
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from unbroken.launcher import calibrate
+from unbroken.launcher.slowness import ByteCount, RunClock, slow_not_hung
 from unbroken.ledger.durable import write_atomic
 
 logger = logging.getLogger(__name__)
 
 STATE_FILE = "heartbeats.json"
-
-BUSY_CORES = 0.3
-"""Time a silent worker's threads ran or waited for a CPU (run queue), per second, above which it
-is computing. A hung worker sleeps or waits: 0.00-0.04 here (its heartbeat and monitor
-threads); a computing one is runnable all the time, ~1.0 however busy the machine (with four
-CPU hogs on 2 cores it ran 0.4 and waited 0.6), where its CPU time alone fell to 0.24."""
-BUSY_LIMIT = 4.0
-"""Timeouts of silence a computing worker is given at most."""
-
-RunClock = Callable[[int], "float | None"]
-"""Seconds a process's threads have run or waited to run, None when it cannot be read."""
-
-
-def proc_runnable_s(pid: int) -> float | None:
-    """Seconds the live threads of process ``pid`` have spent on a CPU or in its run queue
-    (/proc/<pid>/task/*/schedstat); None when the process is gone or /proc cannot say."""
-    total = 0
-    try:
-        tids = os.listdir(f"/proc/{pid}/task")
-    except OSError:
-        return None
-    for tid in tids:
-        try:
-            run, wait = Path(f"/proc/{pid}/task/{tid}/schedstat").read_text().split()[:2]
-            total += int(run) + int(wait)
-        except (OSError, ValueError):
-            continue  # a thread that just ended
-    return total / 1e9 if tids else None
-
 
 _INT_FIELDS = ("lr", "rank", "pid", "round")
 _OPT_INT_FIELDS = ("step", "committed")
@@ -179,6 +144,8 @@ class Hang:
     runnable: float | None = None
     """Its threads' time running or runnable per second over the last stretch of that silence
     (cores), when measured."""
+    sending: float | None = None
+    """Bytes a second it wrote over that stretch, when measured."""
     phase: str
     """"initial" (no heartbeat yet this round), "steady", or "finishing" (past the last step:
     the initial timeout applies)."""
@@ -198,6 +165,8 @@ class _Worker:
     """Within half a timeout of its deadline since its last heartbeat."""
     mark: tuple[float, float] | None = None
     """(time, runnable seconds) when it became a suspect or its deadline was last extended."""
+    sent_mark: tuple[float, int] | None = None
+    """(time, bytes written) then."""
     extended_to: float | None = None
     """A deadline moved on because the node was computing."""
 
@@ -259,9 +228,11 @@ class HeartbeatTracker:
         observed: Observed | None = None,
         on_change: calibrate.OnChange | None = None,
         runnable_s: RunClock | None = None,
+        sent_bytes: ByteCount | None = None,
     ) -> None:
         """``on_change(name, value, previous)`` is told each move of an automatic timeout;
-        ``runnable_s(pid)`` (``proc_runnable_s``; None: off) tells a slow worker from a hung one."""
+        ``runnable_s(pid)`` (``proc_runnable_s``) and ``sent_bytes(pid)`` (``proc_sent_bytes``)
+        tell a slow worker from a hung one (None: that test is off)."""
         self.enabled = enabled
         self.initial_timeout_s = initial_timeout_s
         self.steady_timeout_s = steady_timeout_s
@@ -270,6 +241,7 @@ class HeartbeatTracker:
         self.auto_timeout_factor = auto_timeout_factor
         self.observed = observed or Observed()
         self.runnable_s = runnable_s
+        self.sent_bytes = sent_bytes
         self.round = -1
         self.workers: dict[int, _Worker] = {}
         self.best_step: int | None = None
@@ -344,7 +316,7 @@ class HeartbeatTracker:
             self._calibrate()
         w.last = now
         w.finishing = fin
-        w.suspect, w.mark, w.extended_to = False, None, None
+        w.suspect, w.mark, w.sent_mark, w.extended_to = False, None, None, None
         step, committed = msg.get("step"), msg.get("committed")
         if isinstance(step, int):
             w.last_step = step
@@ -384,6 +356,21 @@ class HeartbeatTracker:
         got = None if self.runnable_s is None or w.pid is None else self.runnable_s(w.pid)
         return None if got is None else (now, got)
 
+    def _sent_mark(self, w: _Worker, now: float) -> tuple[float, int] | None:
+        got = None if self.sent_bytes is None or w.pid is None else self.sent_bytes(w.pid)
+        return None if got is None else (now, got)
+
+    def _sending(self, w: _Worker, now: float) -> float | None:
+        """Bytes a second ``w`` wrote since its mark (None: not measured, or too short)."""
+        new = self._sent_mark(w, now)
+        if (
+            w.sent_mark is None
+            or new is None
+            or new[0] - w.sent_mark[0] < self.heartbeat_interval_s
+        ):
+            return None
+        return max(0, new[1] - w.sent_mark[1]) / (new[0] - w.sent_mark[0])
+
     def _cores(self, w: _Worker, now: float) -> float | None:
         """Cores ``w`` ran on or waited for since its mark (None: not measured, or too short)."""
         new = self._mark(w, now)
@@ -396,7 +383,9 @@ class HeartbeatTracker:
         if not self.enabled:
             return None
         times = [
-            d[0] if w.suspect or self.runnable_s is None else d[0] - d[1] / 2
+            d[0]
+            if w.suspect or (self.runnable_s is None and self.sent_bytes is None)
+            else d[0] - d[1] / 2
             for w in self.workers.values()
             if (d := self._deadline(w)) is not None
         ]  # a worker's runnable time is measured from the moment it becomes a suspect
@@ -414,7 +403,7 @@ class HeartbeatTracker:
             if d is None or now < d[0] - d[1] / 2:
                 continue
             if not w.suspect:
-                w.suspect, w.mark = True, self._mark(w, now)
+                w.suspect, w.mark, w.sent_mark = True, self._mark(w, now), self._sent_mark(w, now)
             late = late or now >= d[0]
             suspects.append((lr, w, d))
         if not late:
@@ -429,6 +418,7 @@ class HeartbeatTracker:
                 phase=d[2],
                 last_step=w.last_step,
                 runnable=self._cores(w, now),
+                sending=self._sending(w, now),
             )
             for lr, w, d in suspects
         ]
@@ -438,23 +428,21 @@ class HeartbeatTracker:
         return out
 
     def _computing(self, suspects: list[Hang], now: float) -> bool:
-        """True (and every suspect's deadline moved on by one timeout) when one of them is
-        computing and none has been silent for ``BUSY_LIMIT`` timeouts yet."""
-        busy = [h for h in suspects if h.runnable is not None and h.runnable >= BUSY_CORES]
-        if not busy or any(h.silent_s >= BUSY_LIMIT * h.timeout_s for h in suspects):
+        """True (and every suspect's deadline moved on by one timeout) when they are slow, not
+        hung (``slowness.slow_not_hung``)."""
+        why, limit = slow_not_hung(suspects)
+        if why is None:
             return False
         for h in suspects:
             w = self.workers[h.local_rank]
-            limit = now - h.silent_s + BUSY_LIMIT * h.timeout_s
-            w.extended_to = min(now + h.timeout_s, limit)
-            w.mark = self._mark(w, now)
+            w.extended_to = min(now + h.timeout_s, now - h.silent_s + limit * h.timeout_s)
+            w.mark, w.sent_mark = self._mark(w, now), self._sent_mark(w, now)
         logger.info(
-            "no heartbeat from rank(s) %s for %.2f s, but rank %d is computing (it ran or "
-            "waited to run %.2f of the time): slow, not hung; waiting up to %.2f s more",
+            "no heartbeat from rank(s) %s for %.2f s, but %s: slow, not hung; waiting up to "
+            "%.2f s more",
             ", ".join(str(h.rank) for h in suspects),
             max(h.silent_s for h in suspects),
-            busy[0].rank,
-            busy[0].runnable,
+            why,
             min(h.timeout_s for h in suspects),
         )
         return True

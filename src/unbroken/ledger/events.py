@@ -23,7 +23,9 @@ from typing import Any
 # --- kinds -----------------------------------------------------------------------------------
 PROCESS_START = "process_start"  # ts = the process's creation time; data: pid, host
 PHASE = "phase"  # interval; data: name (one of PHASES, or a user's phase: ``phases``)
-STEP = "step"  # interval from the previous step boundary; data: step, loss
+# Interval from the previous step boundary; data: step, loss, busy_s (the recording thread's
+# time on or waiting for a CPU in it: ``busy``).
+STEP = "step"
 # Interval the trainer was blocked by a save; data: step, bytes, or part: "overlap" (waiting for
 # a background copy) or "note" (a step noted for a rescue, unbroken.checkpoint.rescue).
 CKPT_STAGE = "ckpt_stage"
@@ -32,7 +34,8 @@ CKPT_COMMIT = "ckpt_commit"  # data: step
 CKPT_SKIP = "ckpt_skip"  # data: step, reason
 CKPT_FAIL = "ckpt_fail"  # data: step, error
 CKPT_LOAD = "ckpt_load"  # interval; data: step (restored, or None), tier ("disk", "memory", "none")
-FAULT_INJECTED = "fault_injected"  # data: fault (kind), step, index (position in the plan)
+# data: fault (kind), step, index (position in the plan); a degrading one: window_s.
+FAULT_INJECTED = "fault_injected"
 FAULT_DETECTED = "fault_detected"  # data: cause, detector, layer, fault_rank
 RESTART_BEGIN = "restart_begin"  # data: layer, cause
 RESTART_END = "restart_end"  # data: layer

@@ -10,6 +10,7 @@ there calls ``walk_faults`` and ``fault_record`` and folds the outages into the 
 from __future__ import annotations
 
 import bisect
+import math
 from array import array
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields
@@ -73,6 +74,12 @@ class FaultRecord:
     """exception, hang, crash, node, storage, degradation or other (see ``fault_classes``)."""
     restarts: int = 0
     """Distinct restart rounds (``restart_begin``) that acted on it while it was open."""
+    window_s: float | None = None
+    """A degrading fault's window (slow-rank, network): it lasted [fault_ts, + window_s]."""
+    step_s_inside: float | None = None
+    """Median surviving reference-rank step overlapping that window (``degraded``)."""
+    degraded_s: float | None = None
+    """Their time beyond as many undegraded steps (``degraded``); None without a window."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -107,6 +114,7 @@ class OpenFault:
     phase: str | None = None
     rounds: set[tuple[Any, ...]] = field(default_factory=set)
     """Restart rounds that acted on it: (layer, round) or (layer, attempt, iteration)."""
+    window_s: float | None = None
 
     def current_threshold(self) -> float:
         parts = [self.fault_ts]
@@ -115,6 +123,10 @@ class OpenFault:
         if self.last_restart_end is not None:
             parts.append(self.last_restart_end)
         return max(parts)
+
+
+def _finite(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def opt_int(value: Any) -> int | None:
@@ -212,6 +224,7 @@ def fault_record(
             ckpt_skips=skips,
             phase=f.phase,
             fault_class=fault_class(f.kind, injected=f.injected),
+            window_s=f.window_s,
         )
     recovery_s = downtime_s = None
     steps_lost = None
@@ -305,6 +318,9 @@ def walk_faults(ordered: list[Event], ref: int) -> list[OpenFault]:
             if e.get("disruptive", True) is False:  # nothing to recover: never opened
                 f.disruptive = False
                 f.resume_ts = f.threshold = f.fault_ts
+                window = e.get("window_s")
+                if _finite(window) and window > 0:
+                    f.window_s = float(window)
                 continue
             open_.append(f)
         elif kind == FAULT_DETECTED:

@@ -125,14 +125,32 @@ Figures
       per class and per phase, recovery rate, recovery time p50/p95/max, failed restart
       attempts, steps lost per incident, detection p50 (defined in ``fault_summary``).
 
+Degradation (``degraded``)
+    A non-disruptive ``fault_injected`` record with a finite ``window_s`` > 0 (``slow-rank``,
+    ``network``) has the degradation window [its ts, ts + ``window_s``]. Training goes on in
+    it, slower: its cost is step time, not an outage, and the partition above does not change
+    (a slow step that survives is productive). A surviving reference-rank step is inside a
+    window when its interval overlaps it. ``step_time_s_outside``: the median ``dur_s`` of the
+    surviving steps inside no window (None without a window). Per fault: ``window_s``,
+    ``step_s_inside`` (median over its window's steps) and ``degraded_s`` = max(0, their
+    summed ``dur_s`` - their number x ``step_time_s_outside``). ``degraded_s`` of the run:
+    the same over the steps inside any window (0.0 without one).
+
+Stragglers (``stragglers``)
+    Every rank's ``step`` records that carry ``busy_s`` (the training thread's time on or
+    waiting for a CPU during the step) give ``stragglers``: ``stragglers.find`` over windows
+    of ``stragglers.window_for`` the reference rank's first step durations, from ``t0`` to
+    ``t1``; a list of ``Straggler`` episodes by begin (empty without ``busy_s``).
+
 Cost: O(n log n) in the number of events. Other ranks' step records may come folded
 (``reader.StepDigest``: ``read_run(fold_steps_except=reference_rank)``): they inform only
-``t0``/``t1``, ``recovered_ts``, ``run``, ``num_attempts`` and ``num_iterations``, which read
-the digest alike, so the report is the same and its memory 16 bytes per folded step.
+``t0``/``t1``, ``recovered_ts``, ``run``, ``num_attempts``, ``num_iterations`` and
+``stragglers``, which read the digest alike, so the report is the same and its memory 16 bytes
+per folded step (24 with ``busy_s``).
 
 Files: this one (the partition and the figures), ``fault_records`` (the walk over faults),
 ``fault_classes`` (a fault's class and phase) and ``fault_summary`` (the figures per class and
-per phase).
+per phase); ``degraded`` (the windows' cost) and ``stragglers``.
 """
 
 from __future__ import annotations
@@ -140,9 +158,9 @@ from __future__ import annotations
 import statistics
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
-from typing import Any
+from dataclasses import replace
 
+from unbroken.ledger import degraded, stragglers
 from unbroken.ledger.events import (
     ALERT,
     CKPT_COMMIT,
@@ -171,49 +189,27 @@ from unbroken.ledger.fault_records import (
     skips_after,
     walk_faults,
 )
-from unbroken.ledger.fault_summary import FaultFigures, by_class, by_phase
+from unbroken.ledger.fault_summary import by_class, by_phase
 from unbroken.ledger.reader import StepDigest
+from unbroken.ledger.runreport import (
+    BADPUT_CATEGORIES,
+    CATEGORIES,
+    ML_GOODPUT,
+    OTHER,
+    RunReport,
+)
 
-__all__ = ["BADPUT_CATEGORIES", "CATEGORIES", "OTHER", "FaultRecord", "RunReport", "compute"]
+__all__ = [
+    "BADPUT_CATEGORIES",
+    "CATEGORIES",
+    "ML_GOODPUT",
+    "OTHER",
+    "FaultRecord",
+    "RunReport",
+    "compute",
+]
 
 # Partition categories in priority order, highest first ("other" is implicit, lowest).
-CATEGORIES = (
-    "checkpoint_save",
-    "checkpoint_load",
-    "startup",
-    "rendezvous",
-    "pg_init",
-    "model_build",
-    "data",
-    "custom",
-    "shutdown",
-    "productive",
-    "reexecuted",
-    "detection",
-    "recovery",
-)
-OTHER = "other"
-BADPUT_CATEGORIES = tuple(c for c in CATEGORIES if c != "productive") + (OTHER,)
-ML_GOODPUT = {
-    "startup": "program_startup",
-    "rendezvous": "program_startup",
-    "pg_init": "program_startup",
-    "model_build": "program_startup",
-    "data": "data_loading",
-    "checkpoint_save": "checkpoint_save",
-    "checkpoint_load": "checkpoint_restore",
-    "reexecuted": "wasted_progress",
-    "detection": "infrastructure_recovery",
-    "recovery": "infrastructure_recovery",
-    "custom": "custom_badput_events",
-    "shutdown": "other",
-    OTHER: "other",
-}
-"""Each badput category's name in Google's ml-goodput-measurement (program start-up, data
-loading, checkpoint save and restore, wasted progress from disruption, infrastructure recovery
-from disruption, custom badput events, other)."""
-assert set(ML_GOODPUT) == set(BADPUT_CATEGORIES), "every badput category has an ml-goodput name"
-
 _PRIO = {name: i for i, name in enumerate(CATEGORIES)}
 _PHASE_CATEGORY = {
     "import": "startup",
@@ -249,71 +245,6 @@ _KIND_ORDER = {
         )
     )
 }
-
-
-@dataclass(frozen=True, kw_only=True)
-class RunReport:
-    """Every figure of one run; see the module docstring for the definitions."""
-
-    run: str
-    """The run id (most common ``run`` field)."""
-    wall_s: float
-    """t1 - t0."""
-    productive_s: float
-    """Seconds of surviving steps not covered by a higher-priority category."""
-    steps_completed: int
-    """Distinct step numbers with a surviving execution."""
-    training_goodput: float
-    """productive_s / wall_s."""
-    infra_goodput: float
-    """1 - union of [detection, resume] per fault / wall_s (shutdown + startup)."""
-    availability: float
-    """1 - union of [fault, resume] per fault / wall_s (detection included)."""
-    checkpoint_efficiency: float | None
-    """1 - checkpoint_save_s / loop_s; None if there is no loop time."""
-    ettr: float | None
-    """productive_s / (wall_s - first-launch startup); None if that is 0."""
-    badput_s: dict[str, float]
-    """Seconds per non-productive category (all of BADPUT_CATEGORIES)."""
-    faults: list[FaultRecord]
-    """Faults in the order they were opened."""
-    num_attempts: int
-    """Distinct launcher attempts seen."""
-    num_iterations: int
-    """Max in-process iteration + 1."""
-    checkpoint_save_s: float
-    """Seconds the trainer was blocked by saves."""
-    fault_s: float
-    """Seconds the faults cost: their windows and re-executed steps, less saves and productive."""
-    loop_s: float
-    """Measure of the union of reference-rank step and ckpt_stage intervals."""
-    step_time_s_median: float | None
-    """Median duration of surviving steps."""
-    recovery_s_median: float | None
-    """Median recovery_s over recovered faults."""
-    recovery_s_max: float | None
-    """Max recovery_s over recovered faults."""
-    by_class: dict[str, FaultFigures] = field(default_factory=dict)
-    """Recovery figures per fault class (``fault_summary``)."""
-    by_phase: dict[str, FaultFigures] = field(default_factory=dict)
-    """Recovery figures per phase the faults fired in (``fault_summary``)."""
-    custom_s: dict[str, float] = field(default_factory=dict)
-    """Seconds of each user phase (``custom`` badput) on the reference rank, by name."""
-
-    def ml_badput_s(self) -> dict[str, float]:
-        """``badput_s`` in the categories of Google's ml-goodput-measurement (``ML_GOODPUT``)."""
-        out = dict.fromkeys(dict.fromkeys(ML_GOODPUT.values()), 0.0)
-        for category, seconds in self.badput_s.items():
-            out[ML_GOODPUT[category]] += seconds
-        return out
-
-    def to_dict(self) -> dict[str, Any]:
-        out = asdict(self)
-        out["faults"] = [f.to_dict() for f in self.faults]
-        out["by_class"] = {k: v.to_dict() for k, v in self.by_class.items()}
-        out["by_phase"] = {k: v.to_dict() for k, v in self.by_phase.items()}
-        out["badput_s"] = {k: float(v) for k, v in self.badput_s.items()}
-        return out
 
 
 def _sort_key(e: Event) -> tuple[float, int, int, int, int]:
@@ -473,6 +404,10 @@ def compute(
     surviving_durs = [e - s for s, e in alive_spans]
     fault_spans = [(max(s, t0), min(e, t1)) for s, e in downtime + redone]
     recoveries = [r.recovery_s for r in records if r.recovery_s is not None]
+    windows = [(r.fault_ts, r.fault_ts + r.window_s) for r in records if r.window_s]
+    outside_s, inside, degraded_s = degraded.cost(alive_spans, windows)
+    priced = iter(inside)
+    records = [_priced(r, next(priced)) if r.window_s else r for r in records]
     runs = Counter(e.run for e in ordered if e.run)
     attempts = {e.attempt for e in ordered}
     max_iteration = max((e.iteration for e in ordered), default=0)
@@ -503,4 +438,17 @@ def compute(
         by_class=by_class(records),
         by_phase=by_phase(records),
         custom_s={name: float(_union_measure(spans)) for name, spans in sorted(custom.items())},
+        step_time_s_outside=outside_s,
+        degraded_s=degraded_s,
+        stragglers=stragglers.find(
+            stragglers.samples_of(ordered, folded),
+            t0=t0,
+            t1=t1,
+            window_s=stragglers.window_for(float(e.dur_s or 0.0) for e in timeline.ref_steps),
+        ),
     )
+
+
+def _priced(record: FaultRecord, figures: tuple[float | None, float | None]) -> FaultRecord:
+    inside, cost = figures
+    return replace(record, step_s_inside=inside, degraded_s=cost)

@@ -261,6 +261,42 @@ def fault_group_table(views: Sequence[RunView], *, key: str) -> str:
     return f'<table class="fault-groups by-{_esc(key)}">{head}{"".join(rows)}</table>'
 
 
+def _degradation_table(views: Sequence[RunView]) -> str:
+    """Degradation windows with their cost, and straggler episodes ("" when none)."""
+    out = []
+    rows = [
+        f"<tr><td>{_esc(v.label)}</td><td>{f.index}</td><td>{_esc(f.kind)}</td>"
+        f"<td>{f.rank}</td><td>{_fmt(f.window_s, 1)}</td><td>{_fmt(f.step_s_inside)}</td>"
+        f"<td>{_fmt(v.report.step_time_s_outside)}</td><td>{_fmt(f.degraded_s)}</td></tr>"
+        for v in views
+        for f in v.report.faults
+        if f.window_s is not None
+    ]
+    if rows:
+        head = (
+            "<tr><th>run</th><th>#</th><th>kind</th><th>rank</th><th>window s</th>"
+            "<th>median step inside s</th><th>outside s</th><th>cost s</th></tr>"
+        )
+        out.append(f"<h2>Degradation</h2><table>{head}{''.join(rows)}</table>")
+    rows = [
+        f"<tr><td>{_esc(v.label)}</td><td>{x.rank}</td><td>{_fmt(x.end_ts - x.begin_ts, 1)}</td>"
+        f"<td>{x.steps}</td><td>{_pct(x.busy_ratio)}</td><td>{_pct(x.others_ratio)}</td></tr>"
+        for v in views
+        for x in v.report.stragglers
+    ]
+    if rows:
+        head = (
+            "<tr><th>run</th><th>rank</th><th>for s</th><th>steps</th><th>busy</th>"
+            "<th>others' busy</th></tr>"
+        )
+        out.append(
+            f"<h2>Stragglers</h2><table>{head}{''.join(rows)}</table><p class='note'>busy = "
+            "time on or waiting for a CPU ÷ step time: the straggler computes while the others "
+            "wait for it.</p>"
+        )
+    return "".join(out)
+
+
 _CSS = """
 body{font-family:system-ui,sans-serif;margin:24px;color:#222;max-width:1000px}
 h1{font-size:22px}h2{font-size:17px;margin-top:28px}
@@ -297,5 +333,6 @@ def render(views: Sequence[RunView], *, title: str = "unbroken goodput report") 
             if any(v.report.faults for v in views)
             else ""
         )
+        + f"{_degradation_table(views)}"
         + "</body></html>"
     )

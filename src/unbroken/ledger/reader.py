@@ -1,9 +1,10 @@
 """Read and merge the ledger files of a run directory.
 
 ``read_run(run_dir, fold_steps_except=R)`` keeps only rank R's step records as events and
-folds every other rank's into a ``StepDigest`` (16 bytes a step instead of an ``Event``):
-what ``goodput.compute`` reads of them (their spans, run ids, attempts, iterations), so a
-report of 1024 ranks x 10k steps fits in a few hundred MB. Same figures, exactly.
+folds every other rank's into a ``StepDigest`` (16 bytes a step instead of an ``Event``, 24
+with ``busy_s``): what ``goodput.compute`` reads of them (their spans and busy figures, run
+ids, attempts, iterations), so a report of 1024 ranks x 10k steps fits in a few hundred MB.
+Same figures, exactly.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ logger = logging.getLogger(__name__)
 
 _INTS = ("rank", "attempt", "iteration")
 # Data fields the report reads as numbers: a record with another type there is not ours.
-_NUMBERS = ("dur_s",)
+_NUMBERS = ("dur_s", "busy_s")
 _OPT_INTS = ("step",)
 
 
@@ -46,8 +47,8 @@ def checked_record(line: bytes | str) -> dict[str, Any]:
     """One ledger line as the JSON object of a record; ValueError for anything else.
 
     A record is a JSON object with a known ``kind`` (a string), a finite number ``ts``, integer
-    ``rank``/``attempt``/``iteration`` when present, a finite ``dur_s`` >= 0 and an integer (or
-    null) ``step`` when present. Nothing else is raised, whatever the bytes.
+    ``rank``/``attempt``/``iteration`` when present, a finite ``dur_s`` and ``busy_s`` >= 0 and
+    an integer (or null) ``step`` when present. Nothing else is raised, whatever the bytes.
     """
     try:
         obj = json.loads(line)
@@ -79,6 +80,9 @@ class StepDigest:
 
     spans: dict[int, array] = field(default_factory=dict)
     """Per rank: begin, end, begin, end, ... (epoch seconds) of each step record, in order."""
+    busy: dict[int, array] = field(default_factory=dict)
+    """Per rank with ``busy_s`` figures: one per step record, aligned with ``spans`` (NaN
+    where a record has none)."""
     runs: Counter[str] = field(default_factory=Counter)
     """Non-empty ``run`` fields, counted."""
     attempts: set[int] = field(default_factory=set)
@@ -98,7 +102,14 @@ class StepDigest:
         attempt = int(obj.get("attempt", 0))
         iteration = int(obj.get("iteration", 0))
         run = str(obj.get("run", ""))
-        self.spans.setdefault(rank, array("d")).extend((begin, ts))
+        spans = self.spans.setdefault(rank, array("d"))
+        spans.extend((begin, ts))
+        busy = obj.get("busy_s")
+        column = self.busy.get(rank)
+        if column is None and _is_number(busy):
+            column = self.busy[rank] = array("d", [math.nan]) * (len(spans) // 2 - 1)
+        if column is not None:
+            column.append(float(busy) if busy is not None and _is_number(busy) else math.nan)
         if run:
             self.runs[run] += 1
         self.attempts.add(attempt)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Sequence
 
 from unbroken.ledger.fault_summary import FaultFigures
@@ -30,6 +31,11 @@ def _pct(value: float | None) -> str:
 
 def _secs(value: float | None) -> str:
     return "-" if value is None else f"{value:.3f}"
+
+
+def _clock(ts: float) -> str:
+    """Local time of day of epoch seconds, to the millisecond (as the logs show it)."""
+    return time.strftime("%H:%M:%S", time.localtime(ts)) + f".{int(ts % 1 * 1000):03d}"
 
 
 def _text(value: object) -> str:
@@ -174,7 +180,50 @@ def format_table(report: RunReport) -> str:
             lines += fault_group_table((key,), [((name,), g) for name, g in groups.items()])
     else:
         lines.append("no faults")
+    lines += _degradation(report)
     return "\n".join(lines) + "\n"
+
+
+def _degradation(report: RunReport) -> list[str]:
+    """The degradation windows and their cost, and the stragglers (none: no lines)."""
+    lines: list[str] = []
+    priced = [f for f in report.faults if f.window_s is not None]
+    if priced:
+        lines += [
+            "",
+            f"degradation (undegraded median step {_secs(report.step_time_s_outside)} s; "
+            f"cost {report.degraded_s:.3f} s)",
+        ]
+        rows = [
+            [
+                str(f.index),
+                _text(f.kind),
+                str(f.rank),
+                f"{f.window_s:.1f}",
+                _secs(f.step_s_inside),
+                _secs(f.degraded_s),
+            ]
+            for f in priced
+            if f.window_s is not None
+        ]
+        heads = ("#", "kind", "rank", "window s", "median step s", "cost s")
+        lines += _table(heads, rows, right={0, 2, 3, 4, 5})
+    if report.stragglers:
+        lines += ["", "stragglers (busy: time on or waiting for a CPU / step time)"]
+        rows = [
+            [
+                str(s.rank),
+                _clock(s.begin_ts),
+                f"{s.end_ts - s.begin_ts:.1f}",
+                str(s.steps),
+                f"{s.busy_ratio:.2f}",
+                f"{s.others_ratio:.2f}",
+            ]
+            for s in report.stragglers
+        ]
+        heads = ("rank", "from", "for s", "steps", "busy", "others' busy")
+        lines += _table(heads, rows, right={0, 2, 3, 4, 5})
+    return lines
 
 
 def to_json(report: RunReport) -> str:

@@ -33,6 +33,7 @@ from types import FrameType
 from typing import Any
 
 from unbroken.ledger import events as ev
+from unbroken.ledger.busy import BusyClock
 from unbroken.ledger.phases import check_name
 from unbroken.mask import masked
 
@@ -109,6 +110,7 @@ class Ledger:
         self._cond = threading.Condition()
         self._closed = False
         self._mark = time.time()
+        self._busy = BusyClock()
         self._thread = threading.Thread(target=self._run, name="unbroken-ledger", daemon=True)
         self._thread.start()
         atexit.register(self.close)
@@ -155,9 +157,15 @@ class Ledger:
     def mark(self, ts: float | None = None) -> None:
         """Set the step boundary: the next ``step`` record's interval starts here."""
         self._mark = time.time() if ts is None else ts
+        self._busy.reset()
 
     def step(self, step: int, **data: Any) -> None:
-        """Record a completed training step; its interval starts at the previous boundary."""
+        """Record a completed training step; its interval starts at the previous boundary.
+        Adds ``busy_s`` (``busy.BusyClock``: the calling thread's run + run-queue time since
+        that boundary) when it is known and ``data`` has none."""
+        busy = self._busy.lap()
+        if busy is not None:
+            data.setdefault("busy_s", round(busy, 6))
         now = time.time()
         self.emit(ev.STEP, ts=now, step=step, dur_s=max(0.0, now - self._mark), **data)
         self._mark = now
@@ -172,6 +180,7 @@ class Ledger:
         end = time.time()
         self.interval(ev.PHASE, begin=begin, end=end, name=name, **data)
         self._mark = end
+        self._busy.reset()
 
     # --- durability --------------------------------------------------------------------------
     def flush(self, timeout_s: float = 5.0) -> bool:
@@ -190,6 +199,7 @@ class Ledger:
         """Write everything queued, fsync, and stop the writer thread. Idempotent; every caller
         (a signal handler racing a normal exit, say) returns only once the writing is done."""
         self._stop()
+        self._busy.close()
         if threading.current_thread() is not self._thread:
             self._thread.join(timeout_s)
 

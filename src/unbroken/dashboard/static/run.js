@@ -107,6 +107,8 @@ function renderCards(snap) {
     card("checkpoint efficiency", fmt.pct(f.checkpoint_efficiency)),
     card("faults", fmt.int(f.faults)),
     card("steps lost", fmt.int(f.steps_lost)),
+    card("degradation cost", f.degraded_s ? fmt.s(f.degraded_s, 2) + " s" : "–"),
+    card("stragglers", fmt.int((snap.stragglers || []).length), (snap.stragglers || []).length ? "warn" : ""),
     card("launcher restarts", budget, spent ? "warn" : ""),
     card("in-process restarts", fmt.int(r.inprocess_iterations)),
   );
@@ -179,11 +181,17 @@ function renderCheckpoint(snap) {
 function renderRanks(snap) {
   const running = snap.status === "running";
   fillTable(document.getElementById("ranks"),
-    ["rank", "last step", "heartbeat age", "step time (median of last 20)", "vs median", "attempt", "iteration"],
+    ["rank", "last step", "heartbeat age", "step time (median of last 20)", "vs median",
+      "busy (last 20 steps)", "straggler", "attempt", "iteration"],
     snap.ranks.map((r) => [r.rank, fmt.int(r.last_step), running ? fmt.age(r.heartbeat_age_s) : "ended",
       fmt.s(r.step_time_s, 4) + " s", r.deviation === null ? "–" : (r.deviation >= 0 ? "+" : "") + (100 * r.deviation).toFixed(1) + "%",
-      r.attempt, r.iteration]),
+      fmt.pct(r.busy_ratio), r.straggler ? "yes" : "", r.attempt, r.iteration]),
     (i) => (snap.ranks[i].straggler ? "straggler" : ""));
+  const eps = snap.stragglers || [];
+  fillTable(document.getElementById("stragglers"),
+    ["rank", "from (s into the run)", "for s", "steps", "busy", "others' busy"],
+    eps.length ? eps.map((x) => [x.rank, fmt.s(x.t, 1), fmt.s(x.duration_s, 1), fmt.int(x.steps),
+      fmt.pct(x.busy_ratio), fmt.pct(x.others_ratio)]) : [["none", "", "", "", "", ""]]);
 }
 
 function renderAlerts(snap) {

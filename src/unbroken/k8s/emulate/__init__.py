@@ -9,8 +9,10 @@
   ``backoffLimitPerIndex``, ``maxFailedIndexes``, ``backoffLimit``, replacement pods with new
   addresses after a delay), a JobSet (``failurePolicy``: rules, ``maxRestarts``, recreate
   everything), a Deployment (one pod, replaced whenever it ends);
-- ``cluster``: ``Cluster`` applies manifests, runs the controllers' loop, loses nodes on
-  request, and records what happened (``history``).
+- ``link``: a degraded link between pods (every packet delayed, some dropped), emulated in
+  user space through TUN devices, since this kernel has no ``netem``;
+- ``cluster``: ``Cluster`` applies manifests, runs the controllers' loop, loses nodes and
+  degrades links on request, and records what happened (``history``).
 
 Used by the multi-node tests, ``unbroken bench k8s`` and the baseline of ``unbroken bench
 recovery`` (Kubernetes alone). It is not Kubernetes: no scheduler, no kubelet, no API server;

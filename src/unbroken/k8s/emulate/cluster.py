@@ -19,6 +19,7 @@ import heapq
 import itertools
 import logging
 import re
+import subprocess
 import threading
 import time
 from collections.abc import Callable
@@ -26,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from unbroken.k8s.emulate import link
 from unbroken.k8s.emulate.dns import Dns, Localizer, Service
 from unbroken.k8s.emulate.net import LoopbackNetwork, NetnsNetwork, Network, netns_unavailable
 from unbroken.k8s.emulate.pod import DISRUPTION, Pod, expand
@@ -106,6 +108,7 @@ class Cluster:
         self._lock = threading.RLock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._links: list[tuple[subprocess.Popen[str], dict[str, Any]]] = []
 
     # --- what the workloads call -----------------------------------------------------------
     def record(self, event: str, **data: Any) -> None:
@@ -226,6 +229,45 @@ class Cluster:
             )
             return ts
 
+    def degrade(
+        self, pod: Pod, peers: list[Pod], *, delay_ms: float, loss: float, seconds: float, seed: int
+    ) -> dict[str, float]:
+        """Delay every packet between ``pod`` and each of ``peers`` by ``delay_ms`` each way and
+        drop ``loss`` percent, for ``seconds`` (``link``); returns at once with ``ts`` (when it
+        began) and ``until``. Recorded as ``link_degraded`` and, when it ends, ``link_restored``
+        (with the packets forwarded and dropped). Raises OSError where it cannot (loopback
+        pods share the host's loopback: there is no link between them to degrade)."""
+        if self.mode != "netns":
+            raise OSError(f"links can be degraded between netns pods only, not in {self.mode} mode")
+        ends = [
+            link.End(netns=p.net.netns, ip=p.net.ip)
+            for p in (pod, *peers)
+            if p.net is not None and p.net.netns is not None
+        ]
+        if not peers or len(ends) != 1 + len(peers):
+            raise OSError(f"pod {pod.name} or its peers have no network namespace")
+        end, others = ends[0], ends[1:]
+        proc, ready = link.start(
+            end, others, delay_ms=delay_ms, loss=loss, seconds=seconds, seed=seed
+        )
+        what = {"pod": pod.name, "peers": [p.name for p in peers], "delay_ms": delay_ms}
+        what.update(loss=loss, seconds=seconds)
+        with self._lock:
+            if self.closing:  # close() already ended the others: this one must not outlive it
+                link.finish(proc)
+                raise OSError("the emulated cluster is closing")
+            self._links.append((proc, what))
+            self.record("link_degraded", **what)
+        return ready
+
+    def _reap_links(self, *, end: bool = False) -> None:
+        """Record the end of every forwarder that ended (all of them, ended now, with ``end``)."""
+        for item in list(self._links):
+            proc, what = item
+            if end or proc.poll() is not None:
+                self._links.remove(item)
+                self.record("link_restored", **what, **link.finish(proc))
+
     def status(self) -> str | None:
         """ "Complete" when every Job/JobSet completed, "Failed" when one failed, else None."""
         with self._lock:
@@ -259,6 +301,8 @@ class Cluster:
             if p.proc is not None:
                 with contextlib.suppress(Exception):
                     p.proc.wait(timeout=10)
+        with self._lock:
+            self._reap_links(end=True)
         self.network.close()
 
     # --- the loop --------------------------------------------------------------------------
@@ -273,6 +317,7 @@ class Cluster:
 
     def _step(self) -> None:
         now = time.monotonic()
+        self._reap_links()
         ended = [p for p in self.pods if p.poll(now)]
         for pod in ended:
             if pod.exit_code and self.disrupted is not None and self.disrupted(pod):
