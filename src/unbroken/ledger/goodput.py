@@ -148,7 +148,8 @@ Cost: O(n log n) in the number of events. Other ranks' step records may come fol
 ``stragglers``, which read the digest alike, so the report is the same and its memory 16 bytes
 per folded step (24 with ``busy_s``).
 
-Files: this one (the partition and the figures), ``fault_records`` (the walk over faults),
+Files: this one (the partition and the figures), ``runreport`` (the report and the categories),
+``fault_records`` (the walk over faults),
 ``fault_classes`` (a fault's class and phase) and ``fault_summary`` (the figures per class and
 per phase); ``degraded`` (the windows' cost) and ``stragglers``.
 """
@@ -209,7 +210,6 @@ __all__ = [
     "compute",
 ]
 
-# Partition categories in priority order, highest first ("other" is implicit, lowest).
 _PRIO = {name: i for i, name in enumerate(CATEGORIES)}
 _PHASE_CATEGORY = {
     "import": "startup",
