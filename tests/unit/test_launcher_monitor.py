@@ -15,7 +15,8 @@ from unbroken.launcher import client
 from unbroken.launcher import config as lconfig
 from unbroken.launcher.calibrate import INITIAL_FLOOR_S, STEADY_FLOOR_S, WARMUP
 from unbroken.launcher.monitor import HeartbeatServer, HeartbeatTracker, Observed
-from unbroken.launcher.slowness import SENDING_LIMIT, proc_runnable_s, proc_sent_bytes
+from unbroken.launcher.slowness import SENDING_LIMIT, proc_runnable_s
+from unbroken.ledger.busy import proc_sent_bytes
 
 
 def tracker(**kw: object) -> HeartbeatTracker:

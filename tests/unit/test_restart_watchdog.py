@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from unbroken.restart import RestartConfig
 from unbroken.restart.watchdog import (
     EXIT_TIMEOUT,
@@ -100,3 +102,41 @@ def test_suspect_owns_up_to_a_hang_before_the_verdict() -> None:
     assert w.suspect(0.6, silent_s=0.6) == STUCK
     w.requested(0.7)
     assert w.suspect(0.8, silent_s=0.0) is None
+
+
+def test_a_rank_that_sends_is_slow_not_hung() -> None:
+    """A collective crawling over a degraded network writes; a hung one writes nothing."""
+    sent = [0]
+    w = Watchdog(CFG, sent_bytes=lambda: sent[0])
+    w.arm(0.0)
+    w.progress(0.0, step=True)
+    assert w.evaluate(0.6, silent_s=0.6).action == NONE  # a suspect: bytes counted from here
+    sent[0] = 10_000  # 20 kB/s
+    assert w.evaluate(1.1, silent_s=1.1).action == NONE
+    assert w.sending_bps == pytest.approx(20_000)
+    deadline = w.deadline()
+    assert deadline is not None and deadline > 30.0  # the backstop waits too
+    assert w.evaluate(2.5, silent_s=2.5).action == NONE  # 5.3 kB/s on average: still sending
+    assert w.evaluate(3.5, silent_s=3.5).action == KILL  # 3.4 kB/s: it stopped, past hard
+    w.progress(3.6, step=True)
+    assert w.sending_bps is None
+
+
+def test_a_rank_that_sends_nothing_is_hung_and_sending_has_a_limit() -> None:
+    sent = [0]
+    w = Watchdog(CFG, sent_bytes=lambda: sent[0])
+    w.arm(0.0)
+    w.progress(0.0, step=True)
+    w.evaluate(0.6, silent_s=0.6)
+    assert w.evaluate(1.1, silent_s=1.1).action == RESTART  # wrote nothing: hung
+    w = Watchdog(CFG, sent_bytes=lambda: sent[0])
+    w.arm(0.0)
+    w.progress(0.0, step=True)
+    w.evaluate(0.6, silent_s=0.6)
+    t = 1.0
+    while t < 31.0:  # a link that never delivers a step: waited for SENDING_LIMIT timeouts
+        sent[0] += 10_000
+        assert w.evaluate(t, silent_s=t).action == NONE, t
+        t += 1.0
+    sent[0] += 10_000
+    assert w.evaluate(31.5, silent_s=31.5).action == KILL

@@ -12,12 +12,13 @@ import signal
 import sys
 from pathlib import Path
 
+from unbroken import job
 from unbroken.workload import train
 
 SIG = getattr(signal, os.environ["TEST_SIGNAL"])
 STEP = int(os.environ["TEST_SIGNAL_STEP"])
 RANK = int(os.environ["TEST_SIGNAL_RANK"])
-_heartbeat = train.heartbeat
+_heartbeat = job.heartbeat
 
 
 def heartbeat(step: int | None = None, **kwargs: int | None) -> None:
@@ -33,7 +34,7 @@ def heartbeat(step: int | None = None, **kwargs: int | None) -> None:
     os.kill(os.getpid(), SIG)
 
 
-train.heartbeat = heartbeat
+job.heartbeat = heartbeat  # unbroken.run's step hook sends the reference script's heartbeats
 
 if __name__ == "__main__":
     sys.exit(train.main())

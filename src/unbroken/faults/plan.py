@@ -44,7 +44,6 @@ uniformly; ``ranks`` defaults to every rank of the world, so such a plan needs t
 
 from __future__ import annotations
 
-import math
 import random as _random
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -53,6 +52,7 @@ from typing import Any, Literal, cast, get_args
 
 import yaml
 
+from unbroken.faults.params import PARAMS, check_params, is_int, names
 from unbroken.ledger.phases import check_name
 
 FaultKind = Literal[
@@ -124,129 +124,8 @@ NON_DISRUPTIVE = frozenset({"slow-storage", "slow-rank", "network"})
 """Kinds that end no process: nothing restarts, so goodput counts no outage for them (their
 ``fault_injected`` record says ``disruptive: false``)."""
 
-CORRUPTION_TARGETS = ("data", "manifest")
-
-MAX_WINDOW_S = 86_400.0
-"""Longest a degrading fault (slow-rank, network) may last."""
-
-# kind -> {parameter: (default, what it takes)}; kinds listed here accept no other parameter.
-PARAMS: dict[str, dict[str, tuple[Any, str]]] = {
-    "slow-storage": {
-        "mbps": (5.0, "a number > 0 (MB/s)"),
-        "saves": (3, "an integer >= 1 (saves throttled; the default unless seconds is given)"),
-        "seconds": (None, "a number > 0 (seconds throttled, instead of saves)"),
-        "ranks": (None, "'all' or a list of ranks (default: the fault's rank)"),
-    },
-    "checkpoint-corruption": {
-        "target": ("data", f"one of {', '.join(CORRUPTION_TARGETS)}"),
-    },
-    "node-loss": {},
-    "oom-kill": {
-        "limit_mb": (256, "an integer >= 1 (MB the rank may grow by)"),
-    },
-    "slow-rank": {
-        "cpu": (0.5, "a number in (0, 1] (the share of one CPU the rank keeps)"),
-        "seconds": (30.0, f"a number in (0, {MAX_WINDOW_S:g}] (how long)"),
-    },
-    "network": {
-        "delay_ms": (50.0, "a number in [0, 10000] (ms added to each packet, each way)"),
-        "loss": (1.0, "a number in [0, 100) (percent of packets dropped, each way)"),
-        "seconds": (20.0, f"a number in (0, {MAX_WINDOW_S:g}] (how long)"),
-        "peers": ("all", "'all' or a non-empty list of ranks (whose pods' links degrade)"),
-    },
-}
-
 MAX_RANDOM = 10_000
 """Most faults a random schedule may draw (a plan is read by every rank at start-up)."""
-
-
-def _names(keys: Any) -> list[str]:
-    """Keys of a mapping as sorted strings (YAML keys may be of any type)."""
-    return sorted(str(k) for k in keys)
-
-
-def _int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _number(value: Any) -> bool:
-    """A finite int or float (not a bool, nan or inf)."""
-    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
-
-
-def _param_error(where: str, name: str, value: Any, kind: str) -> ValueError:
-    what = PARAMS[kind][name][1]
-    return ValueError(f"{where}: {name} must be {what}, got {value!r}; fix it or leave it out")
-
-
-def _check_params(kind: str, params: Mapping[str, Any], *, where: str) -> None:
-    """Raise ValueError naming the bad parameter of a kind listed in PARAMS."""
-    if kind not in PARAMS:
-        return
-    allowed = PARAMS[kind]
-    unknown = _names(set(params) - set(allowed))
-    if unknown:
-        takes = ", ".join(allowed) if allowed else "no parameters"
-        raise ValueError(
-            f"{where}: unknown parameter(s) {unknown} for {kind}; it takes {takes}: "
-            "remove or rename them"
-        )
-    if kind == "slow-storage":
-        if "mbps" in params and not (_number(params["mbps"]) and params["mbps"] > 0):
-            raise _param_error(where, "mbps", params["mbps"], kind)
-        saves: Any = params.get("saves")
-        if "saves" in params and not (_int(saves) and saves >= 1):
-            raise _param_error(where, "saves", saves, kind)
-        if "seconds" in params and not (_number(params["seconds"]) and params["seconds"] > 0):
-            raise _param_error(where, "seconds", params["seconds"], kind)
-        if "saves" in params and "seconds" in params:
-            raise ValueError(
-                f"{where}: give saves (how many saves are slow) or seconds (for how long), not both"
-            )
-        ranks = params.get("ranks")
-        if (
-            "ranks" in params
-            and ranks != "all"
-            and not (isinstance(ranks, list) and ranks and all(_int(r) and r >= 0 for r in ranks))
-        ):
-            raise _param_error(where, "ranks", ranks, kind)
-    elif (
-        kind == "checkpoint-corruption"
-        and "target" in params
-        and params["target"] not in CORRUPTION_TARGETS
-    ):
-        raise _param_error(where, "target", params["target"], kind)
-    elif kind == "oom-kill" and "limit_mb" in params:
-        limit = params["limit_mb"]
-        if not (_int(limit) and 1 <= limit <= 1 << 20):
-            raise _param_error(where, "limit_mb", limit, kind)
-    elif kind in ("slow-rank", "network"):
-        _check_degrading(kind, params, where=where)
-
-
-def _check_degrading(kind: str, params: Mapping[str, Any], *, where: str) -> None:
-    """The parameters of slow-rank and network (see PARAMS)."""
-    ranges = {
-        "cpu": lambda v: 0 < v <= 1,
-        "seconds": lambda v: 0 < v <= MAX_WINDOW_S,
-        "delay_ms": lambda v: 0 <= v <= 10_000,
-        "loss": lambda v: 0 <= v < 100,
-    }
-    for name, ok in ranges.items():
-        if name in params and not (_number(params[name]) and ok(params[name])):
-            raise _param_error(where, name, params[name], kind)
-    if kind != "network":
-        return
-    peers = params.get("peers", "all")
-    if peers != "all" and not (
-        isinstance(peers, list) and peers and all(_int(r) and r >= 0 for r in peers)
-    ):
-        raise _param_error(where, "peers", peers, kind)
-    if params.get("delay_ms", 50.0) == 0 and params.get("loss", 1.0) == 0:
-        raise ValueError(
-            f"{where}: delay_ms and loss are both 0: nothing would degrade; give delay_ms > 0 "
-            "or loss > 0"
-        )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -293,13 +172,13 @@ class FaultSpec:
                     f"{where}: give step (after which step) or occurrence (which entry into "
                     f"phase {self.phase}), not both"
                 )
-            if not (_int(self.occurrence) and self.occurrence >= 1):
+            if not (is_int(self.occurrence) and self.occurrence >= 1):
                 raise ValueError(
                     f"{where}: occurrence must be an integer >= 1, got {self.occurrence!r}"
                 )
         if self.rank < 0:
             raise ValueError(f"fault #{self.index}: rank must be >= 0, got {self.rank}")
-        _check_params(self.kind, self.params, where=f"fault #{self.index} ({self.kind})")
+        check_params(self.kind, self.params, where=f"fault #{self.index} ({self.kind})")
         peers = self.params.get("peers") if self.kind == "network" else None
         if isinstance(peers, list) and self.rank in peers:
             raise ValueError(
@@ -416,11 +295,11 @@ def _expand_random(spec: Any, *, source: str, world_size: int | None) -> list[di
     missing = {"count", "kinds", "seed", "steps"} - set(spec)
     if unknown or missing:
         raise ValueError(
-            f"{source}: 'random' has unknown keys {_names(unknown)} / lacks {_names(missing)}; "
+            f"{source}: 'random' has unknown keys {names(unknown)} / lacks {names(missing)}; "
             f"it takes {sorted(_RANDOM_KEYS)} (ranks optional)"
         )
     count, kinds, seed, steps = spec["count"], spec["kinds"], spec["seed"], spec["steps"]
-    if not _int(count) or not 0 <= count <= MAX_RANDOM:
+    if not is_int(count) or not 0 <= count <= MAX_RANDOM:
         raise ValueError(
             f"{source}: random.count must be an integer from 0 to {MAX_RANDOM}, got {count!r:.80}"
         )
@@ -430,12 +309,12 @@ def _expand_random(spec: Any, *, source: str, world_size: int | None) -> list[di
         or any(not isinstance(k, str) or k not in KINDS for k in kinds)
     ):
         raise ValueError(f"{source}: random.kinds must be a non-empty list of {list(KINDS)}")
-    if not _int(seed):
+    if not is_int(seed):
         raise ValueError(f"{source}: random.seed must be an integer, got {seed!r:.80}")
     if (
         not isinstance(steps, list)
         or len(steps) != 2
-        or not all(_int(v) for v in steps)
+        or not all(is_int(v) for v in steps)
         or not 0 <= steps[0] <= steps[1]
     ):
         raise ValueError(f"{source}: random.steps must be [lo, hi] with 0 <= lo <= hi")
@@ -453,7 +332,7 @@ def _expand_random(spec: Any, *, source: str, world_size: int | None) -> list[di
                 "pass --world-size or list ranks"
             )
         ranks = list(range(world_size))
-    if not isinstance(ranks, list) or not ranks or not all(_int(r) and r >= 0 for r in ranks):
+    if not isinstance(ranks, list) or not ranks or not all(is_int(r) and r >= 0 for r in ranks):
         raise ValueError(f"{source}: random.ranks must be a non-empty list of integers >= 0")
     rng = _random.Random(seed)
     chosen = sorted(rng.sample(range(lo, hi + 1), count))
@@ -472,7 +351,7 @@ def parse_plan(obj: Any, *, source: str = "plan", world_size: int | None = None)
     unknown = set(obj) - {"faults", "random"}
     if unknown:
         raise ValueError(
-            f"{source}: unknown top-level keys {_names(unknown)}; expected 'faults', 'random'"
+            f"{source}: unknown top-level keys {names(unknown)}; expected 'faults', 'random'"
         )
     entries = obj.get("faults") or []
     if not isinstance(entries, list):
@@ -490,7 +369,7 @@ def parse_plan(obj: Any, *, source: str = "plan", world_size: int | None = None)
                 "(or a phase: see `unbroken faults show --help`)"
             )
         for key in ("step", "rank", "occurrence"):
-            if key in entry and not _int(entry[key]):
+            if key in entry and not is_int(entry[key]):
                 raise ValueError(
                     f"{source}: fault #{i}: {key} must be an integer, got {entry[key]!r:.80}"
                 )

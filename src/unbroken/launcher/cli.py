@@ -30,11 +30,12 @@ from unbroken.launcher.monitor import (
     Observed,
 )
 from unbroken.launcher.signals import SignalPipe
-from unbroken.launcher.slowness import proc_runnable_s, proc_sent_bytes
+from unbroken.launcher.slowness import proc_runnable_s
 from unbroken.launcher.workers import LocalWorkers
 from unbroken.launcher.zygote import Zygote
 from unbroken.ledger import Ledger, owner, process_start_time
 from unbroken.ledger import events as ev
+from unbroken.ledger.busy import proc_sent_bytes
 from unbroken.log import init_logging
 from unbroken.version import __version__
 

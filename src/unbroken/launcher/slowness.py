@@ -68,19 +68,6 @@ def proc_runnable_s(pid: int) -> float | None:
     return total / 1e9 if tids else None
 
 
-def proc_sent_bytes(pid: int) -> int | None:
-    """Bytes process ``pid`` passed to write calls so far, sockets included (/proc/<pid>/io
-    ``wchar``; a collective's sends count, datagrams sent with sendto do not); None when the
-    process is gone or /proc cannot say."""
-    try:
-        for line in Path(f"/proc/{pid}/io").read_text().splitlines():
-            if line.startswith("wchar:"):
-                return int(line.split()[1])
-    except (OSError, ValueError, IndexError):
-        return None
-    return None
-
-
 class Suspect(Protocol):
     """What the rules read of a suspect (``monitor.Hang``)."""
 

@@ -7,6 +7,11 @@ waits for its peers in a collective sleeps, which is not busy; a rank whose CPU 
 which is. So in synchronous training, where every rank's step takes equally long, the
 straggler's ``busy_s / dur_s`` is near 1 and the others' lower (``stragglers``).
 
+``proc_sent_bytes`` reads another /proc figure of the same kind: the bytes a process passed
+to write calls (``wchar``), which tells a collective crawling over a degraded network (its data
+trickles out) from a hung one (nothing moves): the launcher's and the in-process watchdog's
+"slow, not hung" rules use it.
+
 The file is opened once per thread and read with one ``pread`` (a few microseconds). Where
 it cannot be read (not Linux, no schedstat) every reading is None and no ``busy_s`` is
 recorded. Only the recording thread is measured: where other threads do the rank's work
@@ -18,6 +23,7 @@ from __future__ import annotations
 
 import os
 import threading
+from pathlib import Path
 
 PATH = "/proc/thread-self/schedstat"
 
@@ -75,3 +81,16 @@ class BusyClock:
         if self._fd is not None:
             os.close(self._fd)
         self._fd = self._thread = self._last = None
+
+
+def proc_sent_bytes(pid: int) -> int | None:
+    """Bytes process ``pid`` passed to write calls so far, sockets included (/proc/<pid>/io
+    ``wchar``; a collective's sends count, datagrams sent with sendto do not); None when the
+    process is gone or /proc cannot say."""
+    try:
+        for line in Path(f"/proc/{pid}/io").read_text().splitlines():
+            if line.startswith("wchar:"):
+                return int(line.split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+    return None

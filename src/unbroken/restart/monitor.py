@@ -31,6 +31,7 @@ from typing import Any
 
 from unbroken.ledger import Recorder
 from unbroken.ledger import events as ev
+from unbroken.ledger.busy import proc_sent_bytes
 from unbroken.mask import masked
 from unbroken.restart import assign
 from unbroken.restart.calibrate import Calibrator
@@ -38,7 +39,7 @@ from unbroken.restart.config import RestartConfig
 from unbroken.restart.interrupt import Interrupter, python_probe
 from unbroken.restart.pg import Transport
 from unbroken.restart.store import Keys, StoreHost
-from unbroken.restart.watchdog import KILL, RESTART, Backstop, Verdict, Watchdog
+from unbroken.restart.watchdog import KILL, NONE, RESTART, Backstop, Verdict, Watchdog
 
 logger = logging.getLogger(__name__)
 
@@ -77,6 +78,10 @@ def _sigkill_self() -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
+def _own_sent_bytes() -> int | None:
+    return proc_sent_bytes(os.getpid())
+
+
 class Monitor:
     """Watches the main thread and the peers of one rank across iterations."""
 
@@ -93,7 +98,8 @@ class Monitor:
         self.config = config
         self.ledger = ledger
         self.interrupter = interrupter
-        self.watchdog = Watchdog(config, calibrator)
+        self.watchdog = Watchdog(config, calibrator, sent_bytes=_own_sent_bytes)
+        self._told_sending = False
         self._kill_fn = kill
         self._probe = python_probe()
         self._backstop = Backstop(config.backstop_margin_s)
@@ -297,6 +303,7 @@ class Monitor:
             self._backstop.update(deadline, now)
             if armed is None:
                 continue
+            self._tell_sending(verdict)
             if verdict.action == RESTART:
                 self.request_restart(
                     Detection(
@@ -316,6 +323,19 @@ class Monitor:
                 and self.interrupter.interrupt()
             ):
                 self._last_interrupt = now
+
+    def _tell_sending(self, verdict: Verdict) -> None:
+        """Log once per silence that the rank is waited for because it is sending."""
+        rate = self.watchdog.sending_bps
+        if rate is None or verdict.action != NONE:
+            self._told_sending = False
+        elif not self._told_sending:
+            self._told_sending = True
+            logger.warning(
+                "no progress past the soft timeout, but this rank is sending %.0f kB/s (a "
+                "collective over a slow network): slow, not hung; waiting",
+                rate / 1000,
+            )
 
     def _kill(self, verdict: Verdict, armed: Armed) -> None:
         if self._killed:

@@ -14,6 +14,14 @@ every iteration's time to its first step and every named phase's duration, and a
 timeouts in effect: inside a named phase (``RestartContext.phase``) the innermost phase's,
 counted from its entry or the last heartbeat in it.
 
+Slow, not hung: a rank whose collective crawls over a degraded network (delay, loss) makes no
+progress and runs no Python, like a stuck one, but its data trickles out. When the soft (or
+hard) timeout passes, the watchdog asks how many bytes the process passed to write calls since
+it became a suspect (half a timeout without progress; ``sent_bytes``, /proc's ``wchar``,
+sockets included): at ``SENDING_BYTES_S`` a second or more, it is communicating, and the
+verdict waits, for at most ``SENDING_LIMIT`` timeouts of silence. A hung collective sends
+nothing (its peer never takes the data), nor does a Python loop.
+
 This module only decides; it owns no thread and does no I/O of its own (the calibrator writes a
 small file when a calibrated value moves), so tests drive it with a fake clock. ``monitor.Monitor`` calls ``evaluate`` every ``monitor_interval_s`` from its own
 thread, never from one that waits on the store, so checks fire on time whatever the message
@@ -27,6 +35,7 @@ import faulthandler
 import logging
 import sys
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from unbroken.restart.calibrate import Calibrator
@@ -37,6 +46,15 @@ logger = logging.getLogger(__name__)
 NONE = "none"
 RESTART = "restart"
 KILL = "kill"
+
+SENDING_BYTES_S = 4096.0
+"""Bytes a second a rank without progress must write to be communicating, not hung (what the
+launcher's rule uses too: ``launcher.slowness``)."""
+SENDING_LIMIT = 30.0
+"""Timeouts of silence a communicating rank is given at most."""
+
+SentBytes = Callable[[], "int | None"]
+"""Bytes this process has passed to write calls so far (None: unknown)."""
 
 HANG = "hang"
 """No progress, main thread executing Python."""
@@ -79,9 +97,22 @@ _QUIET = Verdict(NONE)
 class Watchdog:
     """Progress deadlines of one rank; every method takes ``now`` (monotonic seconds)."""
 
-    def __init__(self, config: RestartConfig, calibrator: Calibrator | None = None) -> None:
+    def __init__(
+        self,
+        config: RestartConfig,
+        calibrator: Calibrator | None = None,
+        *,
+        sent_bytes: SentBytes | None = None,
+    ) -> None:
         self.config = config
         self.calibrator = calibrator or Calibrator(config)
+        self.sent_bytes = sent_bytes
+        """This process's bytes written so far (None: the rule is off)."""
+        self._suspect: tuple[float, int] | None = None
+        """(when, bytes written then) since the progress clock last moved, past half a soft
+        timeout; None before."""
+        self.sending_bps: float | None = None
+        """The rate the last verdict that waited saw (for the log)."""
         self.armed = False
         self.armed_at = 0.0
         self.first_step_seen = False
@@ -123,6 +154,7 @@ class Watchdog:
         self.last_progress = now
         self.gap_start = now
         self.protected_s = 0.0
+        self.sending_bps = None
         if step:
             self.first_step_seen = True
 
@@ -190,11 +222,38 @@ class Watchdog:
             return _QUIET
         if protected:
             return _QUIET
+        if idle > soft and self._sending(now, since, soft):
+            return _QUIET
         if idle > hard:
             return Verdict(KILL, self._kind(silent_s, soft), idle, silent_s, phase)
         if idle > soft:
             return Verdict(RESTART, self._kind(silent_s, soft), idle, silent_s, phase)
+        if idle >= 0.5 * soft:
+            self._mark_suspect(now, since)
         return _QUIET
+
+    def _mark_suspect(self, now: float, since: float) -> None:
+        if self.sent_bytes is None or (self._suspect is not None and self._suspect[0] >= since):
+            return
+        sent = self.sent_bytes()
+        self._suspect = None if sent is None else (now, sent)
+
+    def _sending(self, now: float, since: float, soft: float) -> bool:
+        """Slow, not hung: written ``SENDING_BYTES_S`` a second since it became a suspect, and
+        silent for fewer than ``SENDING_LIMIT`` timeouts (see the module docstring)."""
+        suspect = self._suspect
+        if self.sent_bytes is None or suspect is None or suspect[0] < since:
+            return False
+        if now - since > SENDING_LIMIT * soft or now <= suspect[0]:
+            return False
+        sent = self.sent_bytes()
+        if sent is None:
+            return False
+        rate = (sent - suspect[1]) / (now - suspect[0])
+        if rate < SENDING_BYTES_S:
+            return False
+        self.sending_bps = rate
+        return True
 
     def suspect(self, now: float, *, silent_s: float) -> str | None:
         """HANG or STUCK when the rank has been without progress for half its soft timeout
@@ -216,10 +275,12 @@ class Watchdog:
         """Monotonic time at which ``evaluate`` will say KILL, or None (not armed/protected)."""
         if not self.armed:
             return None
-        _, hard, since, _ = self._limits()
+        soft, hard, since, _ = self._limits()
         limits = []
         if self.protect_depth == 0:
-            limits.append(since + hard)
+            suspect = self._suspect
+            waiting = self.sending_bps is not None and suspect is not None and suspect[0] >= since
+            limits.append(since + (SENDING_LIMIT * soft + hard if waiting else hard))
         if self.requested_at is not None:
             limits.append(self.requested_at + self.config.exit_timeout_s)
         return min(limits) if limits else None
