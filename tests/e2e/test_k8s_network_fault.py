@@ -1,8 +1,9 @@
 """A degraded network on the emulated cluster: two pods (one rank each) train the reference
 model; after step ``AT_STEP`` (the launchers' hang timeouts are calibrated by then) the link
 between them delays every packet 50 ms each way and drops 1% of them for a few seconds, as
-real packets through a user-space forwarder. The job must go on (no restart: a collective
-crawling over a slow link is slow, not hung), end bit-exact, and the ledger must hold the
+real packets through a user-space forwarder. The job must go on (no restart, neither by the
+launcher nor in-process: a collective crawling over a slow link is slow, not hung), end
+bit-exact, and the ledger must hold the
 window and what it cost."""
 
 from __future__ import annotations
@@ -45,7 +46,10 @@ def test_a_slow_lossy_link_slows_the_job_and_restarts_nothing(
         f"faults:\n  - {{step: {AT_STEP}, rank: 0, kind: network, delay_ms: 50, loss: 1, "
         f"seconds: {WINDOW_S}}}\n"
     )
-    job = dataclasses.replace(JOB, train_args=(*JOB.train_args, "--faults", str(plan)))
+    # With in-process restart on: its watchdog, too, must see a crawling collective (it
+    # sends) as slow, not hung.
+    args = tuple(a for a in JOB.train_args if a != "--no-inprocess")
+    job = dataclasses.replace(JOB, train_args=(*args, "--faults", str(plan)))
     res = run_node_loss(job, tmp_path / "work")
     assert res.status == "Complete", res.history[-5:]
     assert res.final_state_sha256 == clean_hash
