@@ -64,9 +64,10 @@ from unbroken.env import Overrides, WorkerEnv, standby_start
 from unbroken.errors import EXIT_CONFIG, ConfigError
 from unbroken.faults import FaultInjector, load_plan
 from unbroken.launcher.client import heartbeat
-from unbroken.ledger import NULL, Ledger, install_sigterm_flush, phases, process_start_time
+from unbroken.ledger import NULL, Ledger, phases, process_start_time
 from unbroken.ledger import events as ev
 from unbroken.ledger.active import activate
+from unbroken.ledger.writer import open_for_process, record_failure
 from unbroken.restart import Escalated, RankExcluded, RestartConfig, RestartContext
 
 logger = logging.getLogger(__name__)
@@ -175,13 +176,7 @@ def run(
         raise
     except BaseException as e:
         if ledger is not None:
-            ledger.emit(
-                ev.FAULT_DETECTED,
-                cause=type(e).__name__,
-                detector="exception",
-                fault_rank=ledger.rank,
-                message=str(e)[:500],
-            )
+            record_failure(ledger, e, fault_rank=ledger.rank)
             ledger.close()
         raise
     if ledger is not None:
@@ -272,37 +267,25 @@ def _restart_config(config: RestartConfig, overrides: Overrides) -> RestartConfi
 def _open_ledger(
     env: WorkerEnv, run_dir: Path, meta: Mapping[str, Any] | None, overrides: Overrides
 ) -> Ledger:
-    """The process's ledger, with its start-up (process start -> now) and, after a launcher
-    restart, the restart's end."""
-    import platform
-    import socket
-
+    """The process's ledger (``open_for_process``): its start-up (process start -> now), what
+    it was given (argv, the overrides, ``meta``) and, after a launcher restart, its end."""
     import torch
 
-    started = standby_start() or process_start_time()
-    run_dir.mkdir(parents=True, exist_ok=True)
-    run_id = env.run_id if env.run_id and env.run_id != "none" else run_dir.name
-    ledger = Ledger(run_dir, run=run_id, rank=env.rank, attempt=env.restart_count)
-    install_sigterm_flush(ledger)
-    ledger.emit(
-        ev.PROCESS_START,
-        ts=started,
-        pid=os.getpid(),
+    given = overrides.given()
+    return open_for_process(
+        run_dir,
+        run=env.run_id if env.run_id and env.run_id != "none" else run_dir.name,
+        rank=env.rank,
+        attempt=env.restart_count,
+        started=standby_start() or process_start_time(),
         local_rank=env.local_rank,
         world_size=env.world_size,
-        host=socket.gethostname(),
         argv=list(sys.argv),
-        python=platform.python_version(),
         torch=torch.__version__,
         adopted=True,
-        **({"overrides": overrides.given()} if overrides.given() else {}),
+        **({"overrides": given} if given else {}),
         **dict(meta or {}),
     )
-    ledger.interval(ev.PHASE, begin=started, name="import")
-    ledger.mark()
-    if env.restart_count > 0:
-        ledger.emit(ev.RESTART_END, layer="launcher")
-    return ledger
 
 
 def _injector(env: WorkerEnv, ledger: Ledger | None) -> FaultInjector | None:

@@ -20,10 +20,8 @@ Imports of ours: ``unbroken.errors``, ``unbroken.env``, ``unbroken.ledger``,
 
 from __future__ import annotations
 
-import os
-import platform
+import argparse
 import runpy
-import socket
 import sys
 from pathlib import Path
 from typing import Any
@@ -31,11 +29,31 @@ from typing import Any
 from unbroken.env import WorkerEnv, standby_start
 from unbroken.faults import FaultInjector, load_plan
 from unbroken.launcher.client import heartbeat
-from unbroken.ledger import Ledger, install_sigterm_flush, process_start_time
+from unbroken.ledger import Ledger, process_start_time
 from unbroken.ledger import events as ev
 from unbroken.ledger.active import current as active_ledger
+from unbroken.ledger.writer import open_for_process, record_failure
 
-USAGE = "usage: python -m unbroken.observe SCRIPT [ARGS...] | -m MODULE [ARGS...]"
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command line, for ``--help`` and the docs test.
+
+    Returns:
+        The parser. ``main`` reads its arguments by hand: everything after ``SCRIPT`` (or
+        ``-m MODULE``) is the script's own and must reach it untouched, options included.
+    """
+    parser = argparse.ArgumentParser(
+        prog="python -m unbroken.observe",
+        usage="python -m unbroken.observe SCRIPT [ARGS...] | -m MODULE [ARGS...]",
+        description="Run a plain (not adopted) training script unchanged, with its optimizer "
+        "steps recorded in the ledger of UNBROKEN_RUN_DIR, launcher heartbeats sent and the "
+        "step faults of UNBROKEN_FAULTS fired. `unbroken bench recovery -- SCRIPT` runs plain "
+        "scripts so.",
+    )
+    parser.add_argument("-m", dest="module", metavar="MODULE", help="run a module as __main__")
+    parser.add_argument("script", nargs="?", metavar="SCRIPT", help="the script's path")
+    parser.add_argument("args", nargs="*", metavar="ARGS", help="the script's own arguments")
+    return parser
 
 
 class StepWatch:
@@ -65,33 +83,27 @@ class StepWatch:
 def _ledger(env: WorkerEnv, target: list[str]) -> Ledger | None:
     if env.run_dir is None:
         return None
-    started = standby_start() or process_start_time()
-    run_id = env.run_id if env.run_id and env.run_id != "none" else env.run_dir.name
-    env.run_dir.mkdir(parents=True, exist_ok=True)
-    ledger = Ledger(env.run_dir, run=run_id, rank=env.rank, attempt=env.restart_count)
-    install_sigterm_flush(ledger)
-    ledger.emit(
-        ev.PROCESS_START,
-        ts=started,
-        pid=os.getpid(),
+    return open_for_process(
+        env.run_dir,
+        run=env.run_id if env.run_id and env.run_id != "none" else env.run_dir.name,
+        rank=env.rank,
+        attempt=env.restart_count,
+        started=standby_start() or process_start_time(),
         local_rank=env.local_rank,
         world_size=env.world_size,
-        host=socket.gethostname(),
         argv=target,
-        python=platform.python_version(),
         adopted=False,
         observed=True,
     )
-    ledger.interval(ev.PHASE, begin=started, name="import")
-    ledger.mark()
-    if env.restart_count > 0:
-        ledger.emit(ev.RESTART_END, layer="launcher")
-    return ledger
 
 
 def main(argv: list[str]) -> int:
-    if not argv or argv[0] in ("-h", "--help") or (argv[0] == "-m" and len(argv) < 2):
-        print(USAGE, file=sys.stderr)
+    if argv[:1] in (["-h"], ["--help"]):
+        build_parser().print_help()
+        return 0
+    if not argv or (argv[0] == "-m" and len(argv) < 2):
+        build_parser().print_usage(sys.stderr)
+        print("error: name the script to run (SCRIPT or -m MODULE)", file=sys.stderr)
         return 2
     env = WorkerEnv.from_environ()
     ledger = _ledger(env, argv)
@@ -121,13 +133,7 @@ def main(argv: list[str]) -> int:
         raise
     except BaseException as e:
         if ledger is not None:
-            ledger.emit(
-                ev.FAULT_DETECTED,
-                cause=type(e).__name__,
-                detector="exception",
-                fault_rank=env.rank,
-                message=str(e)[:500],
-            )
+            record_failure(ledger, e, fault_rank=env.rank)
         _end(ledger, env, ok=False)
         raise
     finally:

@@ -24,8 +24,8 @@ import pytest
 import torch
 
 from procs import run, unbroken_run_cmd, worker_env
+from unbroken.checkpoint import state_sha256
 from unbroken.ledger import goodput, read_run
-from unbroken.workload.statehash import state_sha256
 
 pytestmark = pytest.mark.e2e
 

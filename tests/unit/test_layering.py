@@ -412,6 +412,4 @@ def test_the_reference_script_assembles_no_layer_by_hand() -> None:
             target == i or target.startswith(i if i.endswith(".") else i + ".") for i in internals
         ):
             found.append(f"{arrow.source}:{arrow.line} imports {arrow.target}")
-        if target == "checkpoint" and arrow.source.endswith("train"):
-            found.append(f"{arrow.source}:{arrow.line} imports {arrow.target} (use unbroken)")
     assert found == []

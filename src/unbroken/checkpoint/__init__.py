@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from unbroken.checkpoint.checkpointer import Checkpointer
     from unbroken.checkpoint.config import CheckpointConfig, CheckpointError
+    from unbroken.checkpoint.digest import state_sha256
     from unbroken.checkpoint.hooks import WriterHooks
     from unbroken.checkpoint.inflight import CheckpointStats
     from unbroken.checkpoint.resolve import PerRank
@@ -36,6 +37,7 @@ __all__ = [
     "Checkpointer",
     "PerRank",
     "WriterHooks",
+    "state_sha256",
 ]
 
 _WHERE = {
@@ -45,6 +47,7 @@ _WHERE = {
     "CheckpointConfig": "config",
     "CheckpointError": "config",
     "PerRank": "resolve",
+    "state_sha256": "digest",
 }
 
 

@@ -263,6 +263,46 @@ class Ledger:
             logger.warning("fsync of %s failed", self.path)
 
 
+def open_for_process(
+    run_dir: Path, *, run: str, rank: int, attempt: int, started: float, **fields: Any
+) -> Ledger:
+    """The ledger of a training process, opened as each opens it (``unbroken.run``, the
+    observer of a plain script): its directory made, the SIGTERM flush installed, its
+    ``process_start`` record (``ts`` = ``started``; ``pid``, ``host``, ``python`` and
+    ``fields``), the ``import`` phase from ``started`` to now, the step boundary, and after a
+    launcher restart (``attempt`` > 0) the restart's end."""
+    import platform
+
+    run_dir.mkdir(parents=True, exist_ok=True)
+    ledger = Ledger(run_dir, run=run, rank=rank, attempt=attempt)
+    install_sigterm_flush(ledger)
+    ledger.emit(
+        ev.PROCESS_START,
+        ts=started,
+        pid=os.getpid(),
+        host=socket.gethostname(),
+        python=platform.python_version(),
+        **fields,
+    )
+    ledger.interval(ev.PHASE, begin=started, name="import")
+    ledger.mark()
+    if attempt > 0:
+        ledger.emit(ev.RESTART_END, layer="launcher")
+    return ledger
+
+
+def record_failure(ledger: Ledger, error: BaseException, *, fault_rank: int) -> None:
+    """The error that ends a training process, as the fault its peers and the launcher will
+    see (``fault_detected``, detector "exception")."""
+    ledger.emit(
+        ev.FAULT_DETECTED,
+        cause=type(error).__name__,
+        detector="exception",
+        fault_rank=fault_rank,
+        message=str(error)[:500],
+    )
+
+
 def install_sigterm_flush(ledger: Ledger) -> None:
     """On SIGTERM: close the ledger (writing every record), then die of SIGTERM as before.
 

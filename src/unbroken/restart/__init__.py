@@ -6,7 +6,9 @@ renumbered, a fresh group is formed, and ``fn`` is called again. Files, one per 
 ``wrapper`` (the loop), ``store`` + ``store_server`` (the coordination store), ``pg`` (form,
 abort, tear down), ``monitor`` + ``interrupt`` (the threads that watch and stop ``fn``),
 ``watchdog`` (hang decisions), ``health`` (checks), ``assign`` (culprit, limits, new ranks),
-``context`` (what ``fn`` gets), ``config`` (configuration, errors, exit codes).
+``context`` (what ``fn`` gets: its place, ``step_done``, named ``phase``s), ``config``
+(configuration, errors, exit codes), ``calibrate`` (learned timeouts, per phase too), ``solo``
+(``fn`` once, when in-process restart is off: the launcher-only configuration).
 
 Imports torch; never the workload, the checkpoint module or the launcher. Imports of ours:
 ``unbroken.errors``, ``unbroken.env``, ``unbroken.ledger``, ``unbroken.mask``.

@@ -47,6 +47,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 import unbroken
+from unbroken.checkpoint import state_sha256
 from unbroken.env import WorkerEnv
 from unbroken.errors import EXIT_CONFIG
 from unbroken.ledger.durable import write_atomic
@@ -58,7 +59,6 @@ from unbroken.workload import saving
 from unbroken.workload.flags import WRITER_PRIORITIES, build_parser, check_args
 from unbroken.workload.parallel import wrap_model
 from unbroken.workload.rundir import claim_dirs, default_run_dir, job_identity
-from unbroken.workload.statehash import state_sha256
 
 logger = logging.getLogger("unbroken.workload.train")
 
