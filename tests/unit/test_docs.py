@@ -1,6 +1,7 @@
-"""Docs that cannot drift: every command the README shows exists, answers ``--help``, and takes
-every flag shown with it; the reference script's flag table is its parser; the adoption diff in
-the README is the diff of the committed examples, and stays within 10 added lines."""
+"""Docs that cannot drift: every command the README and the documentation pages (docs/**/*.md)
+show exists, answers ``--help``, and takes every flag shown with it; the reference script's flag
+table is its parser; the adoption diff in the README is the diff of the committed examples, and
+stays within 10 added lines. (The site's build, size and wording: test_docs_site.py.)"""
 
 from __future__ import annotations
 
@@ -16,13 +17,21 @@ from pathlib import Path
 
 import pytest
 
-from unbroken import cli
+from unbroken import cli, observe
 from unbroken.launcher import args as largs
 from unbroken.workload import model as wmodel
 from unbroken.workload import train
 
 ROOT = Path(__file__).resolve().parents[2]
 README = (ROOT / "README.md").read_text()
+DOCS = ROOT / "docs"
+PAGES = {"README.md": README} | {
+    str(p.relative_to(ROOT)): p.read_text()
+    for p in sorted(DOCS.rglob("*.md"))
+    if "hooks" not in p.relative_to(DOCS).parts
+}
+"""Every page whose commands and flags are checked: the README and the site's sources."""
+REFERENCE_SCRIPT_PAGE = "docs/reference-script.md"
 VENV_BIN = Path(sys.executable).parent
 PROGRAMS = ("unbroken", "unbroken-run", "python", "make")
 MAX_ADDED_LINES = 10
@@ -40,6 +49,8 @@ _PLACEHOLDER = re.compile(r"^[A-Z][A-Z0-9_]*[.]*$|[\[\]|]|\.\.\.")
 
 @dataclass(frozen=True)
 class Command:
+    page: str
+    """The page that shows it (README.md, docs/....md)."""
     text: str
     """As shown (continuations joined)."""
     argv: tuple[str, ...]
@@ -61,7 +72,7 @@ def _shell_lines(block: str) -> Iterator[str]:
         yield line
 
 
-def _command(text: str, *, synopsis: bool = False) -> Command | None:
+def _command(page: str, text: str, *, synopsis: bool = False) -> Command | None:
     try:
         tokens = shlex.split(text, comments=True)
     except ValueError:
@@ -78,29 +89,29 @@ def _command(text: str, *, synopsis: bool = False) -> Command | None:
     if tokens[0] == "python" and not tokens[2].startswith("unbroken"):
         return None
     synopsis = synopsis or any(_PLACEHOLDER.search(t) for t in tokens)
-    return Command(text=text.strip(), argv=tuple(tokens), synopsis=synopsis)
+    return Command(page=page, text=text.strip(), argv=tuple(tokens), synopsis=synopsis)
 
 
-def readme_commands() -> list[Command]:
-    """Commands in the README's shell blocks (lines starting at column 0) and in inline code
+def page_commands(page: str, text: str) -> list[Command]:
+    """Commands in a page's shell blocks (lines starting at column 0) and in inline code
     (taken as usage lines)."""
     found: list[Command] = []
-    for lang, block in _FENCE.findall(README):
+    for lang, block in _FENCE.findall(text):
         if lang in ("", "sh", "bash"):
             for line in _shell_lines(block):
                 if line[:1].strip():
-                    cmd = _command(line)
+                    cmd = _command(page, line)
                     if cmd is not None:
                         found.append(cmd)
-    prose = _FENCE.sub("", README)
+    prose = _FENCE.sub("", text)
     for span in re.findall(r"`([^`\n]+)`", prose):
-        cmd = _command(span, synopsis=True)
+        cmd = _command(page, span, synopsis=True)
         if cmd is not None:
             found.append(cmd)
     return found
 
 
-COMMANDS = readme_commands()
+COMMANDS = [cmd for page, text in PAGES.items() for cmd in page_commands(page, text)]
 
 
 def _subparsers(p: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
@@ -157,31 +168,35 @@ def _check_parses(parser: argparse.ArgumentParser, args: list[str], cmd: Command
     try:
         parser.parse_args(args)
     except SystemExit as e:
-        raise AssertionError(f"README shows `{cmd.text}`, which does not parse") from e
+        raise AssertionError(f"{cmd.page} shows `{cmd.text}`, which does not parse") from e
 
 
-def test_the_readme_shows_commands() -> None:  # the extraction itself works
+def test_the_docs_show_commands() -> None:  # the extraction itself works
     programs = {c.argv[0] for c in COMMANDS}
     assert programs == set(PROGRAMS), programs
     assert sum(not c.synopsis for c in COMMANDS) >= 5
+    readme = [c for c in COMMANDS if c.page == "README.md"]
+    assert {c.argv[0] for c in readme} >= {"unbroken", "unbroken-run", "make"}, readme
+    pages = {c.page for c in COMMANDS}
+    assert len(pages) >= 10, f"commands found only on {sorted(pages)}"
 
 
-@pytest.mark.parametrize("cmd", COMMANDS, ids=lambda c: c.text[:60])
-def test_every_readme_command_exists_with_its_flags(cmd: Command) -> None:
+@pytest.mark.parametrize("cmd", COMMANDS, ids=lambda c: f"{c.page}: {c.text[:60]}")
+def test_every_shown_command_exists_with_its_flags(cmd: Command) -> None:
     argv = cmd.argv
     if argv[0] == "make":
         targets = set(re.findall(r"^([a-z][a-z0-9_-]*):", (ROOT / "Makefile").read_text(), re.M))
-        assert set(argv[1:]) <= targets, f"README shows `{cmd.text}`; Makefile has {targets}"
+        assert set(argv[1:]) <= targets, f"{cmd.page} shows `{cmd.text}`; Makefile has {targets}"
     elif argv[0] == "unbroken":
         path, parser, rest = _unbroken_path(argv)
         if _subparsers(parser) and rest:  # in a group (`unbroken bench`): a subcommand
             assert rest[0].startswith("-"), (
-                f"README shows `{cmd.text}`: `unbroken {' '.join(path)}` has no subcommand "
+                f"{cmd.page} shows `{cmd.text}`: `unbroken {' '.join(path)}` has no subcommand "
                 f"{rest[0]!r}; it has {sorted(_subparsers(parser))}"
             )
         missing = _flags(rest) - _options(parser)
         assert not missing, (
-            f"README shows `{cmd.text}`; `unbroken {' '.join(path)}` lacks {missing}"
+            f"{cmd.page} shows `{cmd.text}`; `unbroken {' '.join(path)}` lacks {missing}"
         )
         if not cmd.synopsis:
             _check_parses(parser, rest, cmd)
@@ -189,11 +204,11 @@ def test_every_readme_command_exists_with_its_flags(cmd: Command) -> None:
         options = _options(largs.build_parser())
         shown = {f for f in _flags(argv[1:]) if not f.endswith("-")}  # `--ft-*` is a family
         if cmd.synopsis:
-            assert not shown - options, f"README shows `{cmd.text}`; unbroken-run lacks those"
+            assert not shown - options, f"{cmd.page} shows `{cmd.text}`; unbroken-run lacks those"
             return
         spec, _, _ = largs.parse(list(argv[1:]))
         own = argv[1 : argv.index(spec.entry.target)]  # before the script: unbroken-run's
-        assert not _flags(own) - options, f"README shows `{cmd.text}`; unbroken-run lacks those"
+        assert not _flags(own) - options, f"{cmd.page} shows `{cmd.text}`; unbroken-run lacks those"
         if spec.entry.kind == "module" and spec.entry.target == "unbroken.workload.train":
             _check_parses(train.build_parser(), list(spec.entry.args), cmd)
         elif spec.entry.kind == "script":
@@ -203,13 +218,13 @@ def test_every_readme_command_exists_with_its_flags(cmd: Command) -> None:
         assert hasattr(module, "build_parser"), f"`{cmd.text}`: {argv[2]} has no build_parser"
         parser = module.build_parser()
         missing = _flags(argv[3:]) - _options(parser)
-        assert not missing, f"README shows `{cmd.text}`; {argv[2]} lacks {missing}"
+        assert not missing, f"{cmd.page} shows `{cmd.text}`; {argv[2]} lacks {missing}"
         if not cmd.synopsis:
             _check_parses(parser, list(argv[3:]), cmd)
 
 
 def _help_invocations() -> list[tuple[str, ...]]:
-    """Each distinct program (and ``unbroken`` subcommand) the README shows."""
+    """Each distinct program (and ``unbroken`` subcommand) the README and the pages show."""
     seen: dict[tuple[str, ...], None] = {}
     for cmd in COMMANDS:
         if cmd.argv[0] == "unbroken":
@@ -224,7 +239,7 @@ def _help_invocations() -> list[tuple[str, ...]]:
 
 
 @pytest.mark.parametrize("prog", _help_invocations(), ids=" ".join)
-def test_every_readme_program_answers_help(
+def test_every_shown_program_answers_help(
     prog: tuple[str, ...], capsys: pytest.CaptureFixture[str]
 ) -> None:
     """Programs run as installed; ``unbroken``'s subcommands through its entry point here."""
@@ -241,21 +256,27 @@ def test_every_readme_program_answers_help(
     assert code == 0 and "usage:" in out, out
 
 
-def test_every_flag_in_the_readme_exists_somewhere() -> None:
+@pytest.mark.parametrize("page", list(PAGES))
+def test_every_flag_shown_exists_somewhere(page: str) -> None:
     """Flags in prose (``--steps 2000``) too: each is an option of one of our parsers."""
-    parsers = [*_walk(cli.build_parser()), largs.build_parser(), train.build_parser()]
+    parsers = [
+        *_walk(cli.build_parser()),
+        largs.build_parser(),
+        train.build_parser(),
+        observe.build_parser(),
+    ]
     known = set().union(*(_options(p) for p in parsers))
     text = _FENCE.sub(
-        lambda m: "" if m.group(1) in ("diff", "python", "yaml") else m.group(0), README
+        lambda m: "" if m.group(1) in ("diff", "python", "yaml") else m.group(0), PAGES[page]
     )
     text = _FOREIGN.sub("", text)  # other programs' commands, in code spans
     shown = {f for f in _FLAG.findall(text) if not f.endswith("-")}
-    assert not shown - known, f"the README shows flags no command has: {sorted(shown - known)}"
+    assert not shown - known, f"{page} shows flags no command has: {sorted(shown - known)}"
 
 
 def test_the_reference_script_flag_table_is_its_parser() -> None:
-    section = README.split("## The reference training script", 1)[1].split("\n## ", 1)[0]
-    rows = [line for line in section.splitlines() if line.startswith("| `--")]
+    rows = [line for line in PAGES[REFERENCE_SCRIPT_PAGE].splitlines() if line.startswith("| `--")]
+    assert rows, f"{REFERENCE_SCRIPT_PAGE} has no flag table"
     shown: dict[str, list[str] | None] = {}
     for row in rows:
         for span in re.findall(r"`([^`]+)`", row.split(" | ")[0]):
