@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from unbroken.checkpoint import Checkpointer
-from unbroken.checkpoint import writer as cwriter
+from unbroken.checkpoint.persisting import writer as cwriter
 from unbroken.workload import data as wdata
 from unbroken.workload import model as wmodel
 from unbroken.workload.parallel import wrap_model

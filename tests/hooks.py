@@ -1,4 +1,4 @@
-"""Checkpoint writer hooks for tests (``unbroken.checkpoint.hooks.WriterHooks``).
+"""Checkpoint writer hooks for tests (``unbroken.checkpoint.persisting.hooks.WriterHooks``).
 
 A writer process unpickles these, so this module must be importable there: put ``tests/`` on
 the trainer's ``PYTHONPATH`` (a spawned writer inherits it; a forked one has it loaded).

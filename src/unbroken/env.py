@@ -328,7 +328,7 @@ def standby_start(environ: Mapping[str, str] | None = None) -> float | None:
 
 UNBROKEN_PEERS = "UNBROKEN_PEERS"
 """Comma-separated ``host:port#token`` of every node's peer memory service in the round, in
-group-rank order (``unbroken.checkpoint.peers``); a worker replicates its snapshots to the next
+group-rank order (``unbroken.checkpoint.tiers.peers``); a worker replicates its snapshots to the next
 node's and restores from any of them."""
 
 # read by the launcher for itself

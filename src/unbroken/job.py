@@ -31,7 +31,7 @@ that a script adopts unbroken in a few lines and its report has every figure:
   a known region without progress: a "finishing" heartbeat and ``ctx.no_hang_protection``
   around it (``unbroken.checkpoint.node.waiting``), so a long final save is no hang;
 - checkpoint writers fork from a server forked before ``fn`` builds anything
-  (``unbroken.checkpoint.forkserver``), not from the trainer: the writer an in-process restart
+  (``unbroken.checkpoint.persisting.forkserver``), not from the trainer: the writer an in-process restart
   starts shares no page of the model, so the next steps copy none (copy-on-write).
 
 ``main(fn)`` is a script's entry point: ``run``, then exit with the code the launcher expects.
@@ -58,8 +58,9 @@ from pathlib import Path
 from typing import Any, NoReturn, TypeVar
 
 from unbroken import restart
-from unbroken.checkpoint import forkserver, hooks, node
+from unbroken.checkpoint import node
 from unbroken.checkpoint.checkpointer import Checkpointer, open_checkpointers
+from unbroken.checkpoint.persisting import forkserver, hooks
 from unbroken.env import Overrides, WorkerEnv, standby_start
 from unbroken.errors import EXIT_CONFIG, ConfigError
 from unbroken.faults import FaultInjector, load_plan

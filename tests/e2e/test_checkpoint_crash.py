@@ -18,7 +18,7 @@ import torch
 from hooks import paused_marker
 from procs import SRC, worker_env
 from unbroken.checkpoint import Checkpointer, layout
-from unbroken.checkpoint.hooks import POINTS
+from unbroken.checkpoint.persisting.hooks import POINTS
 
 pytestmark = pytest.mark.e2e
 

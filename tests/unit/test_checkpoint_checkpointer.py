@@ -16,7 +16,7 @@ import torch.distributed.checkpoint as dcp
 
 from toy import mlp, train_step
 from unbroken.checkpoint import Checkpointer, CheckpointError, PerRank, layout
-from unbroken.checkpoint import staging as staging_mod
+from unbroken.checkpoint.staging import staging as staging_mod
 from unbroken.faults import throttle
 from unbroken.ledger import Ledger, read_events
 from unbroken.ledger import events as ev
@@ -223,7 +223,7 @@ def test_bad_state_is_rejected_with_what_to_do(tmp_path: Path) -> None:
 
 
 def test_the_resolve_cache_gives_what_dcp_gives_and_relearns(tmp_path: Path) -> None:
-    from unbroken.checkpoint.resolve import ResolveCache, resolve_for_save
+    from unbroken.checkpoint.state.resolve import ResolveCache, resolve_for_save
 
     def items(state: dict[str, Any], cache: ResolveCache | None) -> list[tuple]:
         r = resolve_for_save(state, rank=0, world_size=1, overlap=True, cache=cache)

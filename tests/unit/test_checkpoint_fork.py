@@ -31,7 +31,7 @@ def save(root):
 """
 
 _IMPORTING = """
-TARGET = "unbroken.checkpoint.commit"  # the writer needs it; the trainer has not imported it
+TARGET = "unbroken.checkpoint.persisting.commit"  # the writer needs it; the trainer has not imported it
 assert TARGET not in sys.modules
 importing = threading.Event()
 

@@ -18,7 +18,8 @@ import pytest
 import torch
 
 from procs import worker_env
-from unbroken.checkpoint import Checkpointer, forkserver
+from unbroken.checkpoint import Checkpointer
+from unbroken.checkpoint.persisting import forkserver
 
 
 def _ppid(pid: int) -> int:
@@ -97,7 +98,8 @@ def test_the_server_and_its_writers_die_with_the_trainer(tmp_path: Path) -> None
     script = textwrap.dedent(
         f"""
         import os, signal, torch
-        from unbroken.checkpoint import Checkpointer, forkserver
+        from unbroken.checkpoint import Checkpointer
+        from unbroken.checkpoint.persisting import forkserver
         with forkserver.serving():
             ck = Checkpointer({str(tmp_path)!r}, memory_tier=False)
             ck.save(0, {{"w": torch.arange(8.0)}})

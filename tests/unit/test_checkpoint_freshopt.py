@@ -18,7 +18,9 @@ import torch
 from torch.distributed.tensor import DTensor
 
 import groups
-from unbroken.checkpoint import Checkpointer, freshopt, memory
+from unbroken.checkpoint import Checkpointer
+from unbroken.checkpoint.staging import memory
+from unbroken.checkpoint.state import freshopt
 from unbroken.ledger import Ledger
 from unbroken.workload.model import SIZES, build_model, loss_fn
 from unbroken.workload.parallel import wrap_model

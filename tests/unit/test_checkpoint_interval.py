@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from sinks import Sink
-from unbroken.checkpoint.interval import (
+from unbroken.checkpoint.schedule.interval import (
     AdaptiveInterval,
     IntervalConfig,
     interval_steps,

@@ -139,7 +139,7 @@ def test_config_rejects_bad_values_and_says_which() -> None:
 
 
 def test_the_coordinator_abandons_a_step_another_rank_skipped_or_failed(tmp_path: Path) -> None:
-    from unbroken.checkpoint.commit import Abandoned, wait_for_ranks
+    from unbroken.checkpoint.persisting.commit import Abandoned, wait_for_ranks
 
     def never(point: str) -> None:
         raise AssertionError(f"reached {point}")

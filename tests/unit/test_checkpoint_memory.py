@@ -16,9 +16,11 @@ import torch
 from torch.distributed.checkpoint.metadata import MetadataIndex
 
 from toy import mlp, train_step
-from unbroken.checkpoint import CheckpointConfig, Checkpointer, keeper, layout, memory, tiers
-from unbroken.checkpoint.arena import Arena, Slot, copy_into, plan_slots
-from unbroken.checkpoint.staging import Staging
+from unbroken.checkpoint import CheckpointConfig, Checkpointer, layout
+from unbroken.checkpoint.staging import memory
+from unbroken.checkpoint.staging.arena import Arena, Slot, copy_into, plan_slots
+from unbroken.checkpoint.staging.staging import Staging
+from unbroken.checkpoint.tiers import keeper, tiers
 from unbroken.launcher.keeper import MemoryKeeper
 from unbroken.ledger import Ledger, read_events
 
@@ -162,7 +164,7 @@ def test_the_keeper_hands_an_arena_to_the_next_process() -> None:
         arena.close()  # the writing process is gone
         code = (
             "import mmap, os, sys\n"
-            "from unbroken.checkpoint import keeper\n"
+            "from unbroken.checkpoint.tiers import keeper\n"
             "fd = keeper.get(sys.argv[1], 'ckpt#rank0')\n"
             "mm = mmap.mmap(fd, os.fstat(fd).st_size)\n"
             "print(mm[100:108].decode(), keeper.get(sys.argv[1], 'other'))\n"

@@ -15,7 +15,8 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from torch.distributed.tensor import DTensor
 
 import groups
-from unbroken.checkpoint import memory, naming
+from unbroken.checkpoint.staging import memory
+from unbroken.checkpoint.state import naming
 from unbroken.workload.model import SIZES, build_model
 
 

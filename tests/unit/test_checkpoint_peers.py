@@ -18,8 +18,10 @@ import torch
 from torch.distributed.checkpoint.metadata import MetadataIndex
 
 from toy import mlp, train_step
-from unbroken.checkpoint import CheckpointConfig, Checkpointer, keeper, layout, memory, peers
-from unbroken.checkpoint.arena import Arena, Slot, copy_into
+from unbroken.checkpoint import CheckpointConfig, Checkpointer, layout
+from unbroken.checkpoint.staging import memory
+from unbroken.checkpoint.staging.arena import Arena, Slot, copy_into
+from unbroken.checkpoint.tiers import keeper, peers
 from unbroken.launcher.keeper import MemoryKeeper
 from unbroken.ledger import Ledger, read_events
 

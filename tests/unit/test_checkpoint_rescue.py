@@ -12,7 +12,7 @@ import torch
 
 from toy import mlp, train_step
 from unbroken.checkpoint import Checkpointer, PerRank
-from unbroken.checkpoint.rescue import _freeze
+from unbroken.checkpoint.staging.rescue import _freeze
 from unbroken.ledger import Ledger, read_events
 
 

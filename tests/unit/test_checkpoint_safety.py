@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from unbroken.checkpoint import Checkpointer, CheckpointError, layout, restore
+from unbroken.checkpoint import Checkpointer, CheckpointError, layout
+from unbroken.checkpoint.restoring import restore
 from unbroken.launcher import errors
 
 

@@ -14,7 +14,7 @@ from torch import nn
 
 import groups
 from unbroken.checkpoint import Checkpointer
-from unbroken.checkpoint.resolve import ResolveCache, resolve_for_save
+from unbroken.checkpoint.state.resolve import ResolveCache, resolve_for_save
 from unbroken.workload.model import SIZES, build_model, loss_fn
 from unbroken.workload.parallel import wrap_model
 
@@ -188,7 +188,7 @@ def test_a_snapshot_through_reused_items_restores_bit_exact(tmp_path: Path) -> N
 def test_the_fast_flatten_is_dcps() -> None:
     from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 
-    from unbroken.checkpoint.reuse import flatten
+    from unbroken.checkpoint.state.reuse import flatten
 
     t = torch.ones(2)
     cases: list[dict[str, Any]] = [
@@ -242,12 +242,12 @@ def test_a_plain_value_is_saved_as_torch_save_saves_it(value: Any) -> None:
     import io
     import pickle
 
-    from unbroken.checkpoint import savecache
+    from unbroken.checkpoint.state import savecache
 
     ref = io.BytesIO()
     torch.save(value, ref)
     key = pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
-    fast = savecache._serialize(savecache.plain_loads(key), plain=True)
+    fast = savecache.serialize(savecache.plain_loads(key), plain=True)
     assert fast == ref.getvalue()  # byte for byte: DCP's loader and weights_only read it
     assert torch.load(io.BytesIO(fast), weights_only=True) == value
     cache = ResolveCache()
@@ -260,7 +260,7 @@ def test_a_value_holding_a_tensor_or_a_class_is_not_plain() -> None:
     import io
     import pickle
 
-    from unbroken.checkpoint import savecache
+    from unbroken.checkpoint.state import savecache
 
     for value in ({"t": torch.ones(2)}, [complex(1, 2)], nn.Identity()):
         key = pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from unbroken.checkpoint import Checkpointer
-from unbroken.checkpoint.writer import ChecksumWriter
+from unbroken.checkpoint.persisting.writer import ChecksumWriter
 
 
 def _autogroup(pid: int) -> tuple[str, int] | None:

@@ -55,6 +55,36 @@ RULES: dict[str, tuple[str, ...]] = {
     "log": (),
     "ledger": ("mask",),
     "checkpoint": ("errors", "env", "log", "ledger", "mask"),
+    # checkpoint/ by lifecycle: each phase imports the ones below it, never one above
+    "checkpoint.state": ("ledger", "checkpoint.config"),
+    "checkpoint.staging": ("checkpoint.layout", "checkpoint.state"),
+    "checkpoint.persisting": (
+        "log",
+        "ledger",
+        "mask",
+        "checkpoint.config",
+        "checkpoint.layout",
+        "checkpoint.staging.arena",
+    ),
+    "checkpoint.tiers": (
+        "ledger",
+        "checkpoint.config",
+        "checkpoint.layout",
+        "checkpoint.staging",
+        "checkpoint.state",
+    ),
+    "checkpoint.restoring": (
+        "ledger",
+        "checkpoint.config",
+        "checkpoint.layout",
+        "checkpoint.state",
+    ),
+    "checkpoint.schedule": (
+        "ledger",
+        "checkpoint.config",
+        "checkpoint.node",
+        "checkpoint.persisting.inflight",
+    ),
     "faults": ("errors", "env", "ledger", "checkpoint.layout"),
     "restart": ("errors", "env", "ledger", "mask"),
     "launcher": (
@@ -63,7 +93,7 @@ RULES: dict[str, tuple[str, ...]] = {
         "env",
         "log",
         "ledger",
-        "checkpoint.peers",
+        "checkpoint.tiers.peers",
         "dashboard.metrics",
     ),
     "launcher.client": ("env",),
@@ -201,6 +231,124 @@ def test_each_docstring_states_its_rule(key: str) -> None:
     assert sorted(stated) == sorted(RULES[key]), f"{path}: the docstring and RULES disagree"
 
 
+# --- checkpoint/: phases by lifecycle, shared modules at the top, no private names across ------
+CHECKPOINT = f"{ROOT}.checkpoint"
+CHECKPOINT_SHARED = ("config", "layout", "node")
+"""The modules at the top of ``unbroken.checkpoint`` that every phase may read."""
+
+
+def test_every_checkpoint_subpackage_has_a_rule_of_its_own() -> None:
+    subpackages = sorted(p.parent.name for p in (SRC / ROOT / "checkpoint").glob("*/__init__.py"))
+    assert subpackages == ["persisting", "restoring", "schedule", "staging", "state", "tiers"]
+    assert [s for s in subpackages if f"checkpoint.{s}" not in RULES] == []
+
+
+def test_the_checkpoint_shared_modules_import_no_phase() -> None:
+    """``config``, ``layout`` and ``node`` import nothing else of the package, and only the
+    package's ``__init__`` imports ``checkpointer`` (the top of both flows)."""
+    shared = {f"{CHECKPOINT}.{m}" for m in CHECKPOINT_SHARED}
+    found = [
+        f"{a.source}:{a.line} imports {a.target}"
+        for a in import_graph(SRC)
+        if _within(a.source, CHECKPOINT)
+        and a.source != a.target
+        and (
+            (a.source in shared and _within(a.target, CHECKPOINT))
+            or (a.target == f"{CHECKPOINT}.checkpointer" and a.source != CHECKPOINT)
+        )
+    ]
+    assert found == []
+
+
+def test_the_checkpoint_subpackage_inits_import_nothing() -> None:
+    """The writer process (``python -m unbroken.checkpoint.persisting.writer``) and fault
+    injection import these packages first: they must not pull torch in before it wants it."""
+    mods = modules(SRC)
+    heavy = [
+        name
+        for name, path in mods.items()
+        if _within(name, CHECKPOINT)
+        and path.name == "__init__.py"
+        and name != CHECKPOINT
+        and any(
+            isinstance(node, (ast.Import, ast.ImportFrom))
+            for node in ast.walk(ast.parse(path.read_text()))
+        )
+    ]
+    assert heavy == []
+
+
+def private_imports(src_root: Path, package: str) -> list[str]:
+    """Private names (``_x``) of one module of ours used by another, where either is in
+    ``package`` (dotted): ``from unbroken.a import _x``, and ``a._x`` where ``a`` is a module
+    of ours bound by an import."""
+    mods = modules(src_root)
+    out = []
+    for name, path in mods.items():
+        tree = ast.parse(path.read_text())
+        bound: dict[str, str] = {}  # local name -> module of ours
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                for alias in node.names:
+                    if alias.asname and alias.name in mods:
+                        bound[alias.asname] = alias.name
+            elif isinstance(node, ast.ImportFrom) and not node.level:
+                base = node.module or ""
+                for alias in node.names:
+                    sub = f"{base}.{alias.name}"
+                    if sub in mods:
+                        bound[alias.asname or alias.name] = sub
+                    elif (
+                        base in mods
+                        and base != name
+                        and alias.name.startswith("_")
+                        and not alias.name.startswith("__")
+                        and (_within(name, package) or _within(base, package))
+                    ):
+                        out.append(f"{name}:{node.lineno} imports {base}.{alias.name}")
+        for node in ast.walk(tree):
+            if (
+                isinstance(node, ast.Attribute)
+                and isinstance(node.value, ast.Name)
+                and node.value.id in bound
+                and node.attr.startswith("_")
+                and not node.attr.startswith("__")
+            ):
+                target = bound[node.value.id]
+                if target != name and (_within(name, package) or _within(target, package)):
+                    out.append(f"{name}:{node.lineno} uses {target}.{node.attr}")
+    return sorted(set(out))
+
+
+def test_no_private_name_crosses_a_module_boundary_in_checkpoint() -> None:
+    assert private_imports(SRC, CHECKPOINT) == []
+
+
+def test_the_private_import_check_finds_both_kinds(tmp_path: Path) -> None:
+    src = _tree(
+        tmp_path,
+        {
+            "unbroken/__init__.py": "",
+            "unbroken/checkpoint/__init__.py": "",
+            "unbroken/checkpoint/state/__init__.py": "",
+            "unbroken/checkpoint/state/resolve.py": "def _local(t):\n    return t\n_cache = {}\n",
+            "unbroken/checkpoint/staging/__init__.py": "",
+            "unbroken/checkpoint/staging/memory.py": """\
+                from unbroken.checkpoint.state import resolve
+                from unbroken.checkpoint.state.resolve import _local
+                def f(t):
+                    return resolve._cache, resolve.__name__, _local(t)
+            """,
+            "unbroken/ledger/__init__.py": "_own = 1\nprint(_own)\n",
+            "unbroken/ledger/x.py": "from unbroken.ledger import _own\n",  # not checkpoint's
+        },
+    )
+    assert private_imports(src, CHECKPOINT) == [
+        "unbroken.checkpoint.staging.memory:2 imports unbroken.checkpoint.state.resolve._local",
+        "unbroken.checkpoint.staging.memory:4 uses unbroken.checkpoint.state.resolve._cache",
+    ]
+
+
 # --- the checker itself fails on a climbing import --------------------------------------------
 def _tree(root: Path, files: dict[str, str]) -> Path:
     for rel, text in files.items():
@@ -303,7 +451,7 @@ def test_the_environment_check_finds_a_read(tmp_path: Path) -> None:
         tmp_path,
         {
             "unbroken/__init__.py": "",
-            "unbroken/checkpoint/writer.py": """\
+            "unbroken/checkpoint/persisting/writer.py": """\
                 import os
                 child = dict(os.environ, X="1")
                 PAUSE = os.environ.get("UNBROKEN_CKPT_TEST_PAUSE", "")
@@ -311,7 +459,7 @@ def test_the_environment_check_finds_a_read(tmp_path: Path) -> None:
         },
     )
     assert environ_reads(src) == [
-        "unbroken.checkpoint.writer:3 reads os.environ; read it through unbroken.env"
+        "unbroken.checkpoint.persisting.writer:3 reads os.environ; read it through unbroken.env"
     ]
 
 
@@ -383,7 +531,7 @@ def test_the_private_use_check_finds_one(tmp_path: Path) -> None:
             "unbroken/bench/__init__.py": "",
             "unbroken/bench/checkpoint.py": """\
                 import os
-                from unbroken.checkpoint.resolve import _local
+                from unbroken.checkpoint.state.resolve import _local
                 class Saver:
                     def take(self):
                         os._exit(0)

@@ -13,8 +13,8 @@ import torch
 from sinks import Sink
 from unbroken.checkpoint import CheckpointConfig
 from unbroken.checkpoint.config import overridden
-from unbroken.checkpoint.digest import local_digest
-from unbroken.checkpoint.extras import RNG_KEY, StateExtras
+from unbroken.checkpoint.state.digest import local_digest
+from unbroken.checkpoint.state.extras import RNG_KEY, StateExtras
 from unbroken.env import Overrides
 from unbroken.job import _restart_config
 from unbroken.restart import RestartConfig

@@ -15,7 +15,8 @@ from test_goodput import random_run
 
 from unbroken import cli
 from unbroken.bench import scale_commit, scale_ledger
-from unbroken.checkpoint import commit, layout
+from unbroken.checkpoint import layout
+from unbroken.checkpoint.persisting import commit
 from unbroken.ledger import goodput, read_run
 from unbroken.ledger.events import STEP, Event
 

@@ -22,10 +22,10 @@ SRC = Path(__file__).resolve().parents[2] / "src" / "unbroken"
 UNPICKLE = re.compile(r"pickle\.loads?\(|weights_only=False|allow_pickle=True|Unpickler\(")
 # file -> why it may unpickle (each is named in the README's trust-boundary paragraph)
 ALLOWED = {
-    "checkpoint/protocol.py": "messages over the trainer-writer socketpair",
-    "checkpoint/memory.py": "values of a memory snapshot (a peer's: only once they load "
+    "checkpoint/persisting/protocol.py": "messages over the trainer-writer socketpair",
+    "checkpoint/staging/memory.py": "values of a memory snapshot (a peer's: only once they load "
     "weights_only)",
-    "checkpoint/savecache.py": "a snapshot's values, pickled and unpickled in the trainer "
+    "checkpoint/state/savecache.py": "a snapshot's values, pickled and unpickled in the trainer "
     "process (serialized off the training thread)",
     "checkpoint/layout.py": "done records, through an unpickler that builds only their types",
 }

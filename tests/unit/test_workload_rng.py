@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from unbroken.checkpoint.rng import capture_rng_state, restore_rng_state
+from unbroken.checkpoint.state.rng import capture_rng_state, restore_rng_state
 
 
 def _draw() -> tuple[torch.Tensor, float, np.ndarray, float]:

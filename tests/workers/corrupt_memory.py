@@ -11,7 +11,7 @@ import signal
 import sys
 from typing import Any
 
-from unbroken.checkpoint import memory
+from unbroken.checkpoint.staging import memory
 from unbroken.workload import train
 
 _seal = memory.seal

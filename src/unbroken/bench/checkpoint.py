@@ -220,7 +220,7 @@ class _Ctx:
 
 
 def _state_bytes(ctx: _Ctx) -> int:
-    from unbroken.checkpoint.resolve import resolve_for_save
+    from unbroken.checkpoint.state.resolve import resolve_for_save
 
     resolved = resolve_for_save(ctx.state, rank=ctx.rank, world_size=ctx.world, overlap=False)
     return resolved.tensor_bytes

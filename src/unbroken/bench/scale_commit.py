@@ -1,7 +1,7 @@
 """Checkpoint commit at scale: n ranks' done records merged into one committed checkpoint by
 the real coordinator code, then the listing and checks ``restore()`` runs on a rank.
 
-Stood in: the ranks' writers. Each rank's done record is written as ``checkpoint.writer``
+Stood in: the ranks' writers. Each rank's done record is written as ``checkpoint.persisting.writer``
 writes it (``items``, ``results``, ``assigned``, ``planner_data``, ``files``, pickled), for a
 model of ``tensors`` parameters each sharded along dim 0 over the n ranks (FSDP's layout)
 plus one replicated value written by rank 0 (an optimizer step counter), beside a tiny data
@@ -43,7 +43,8 @@ from torch.distributed.checkpoint.planner import (
 )
 from torch.distributed.checkpoint.storage import WriteResult
 
-from unbroken.checkpoint import commit, layout
+from unbroken.checkpoint import layout
+from unbroken.checkpoint.persisting import commit
 
 STEP = 100
 ROWS, COLS = 4, 8  # each rank's chunk of each parameter

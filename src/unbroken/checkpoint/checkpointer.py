@@ -29,9 +29,8 @@ The environment's overrides win over the arguments (``config.overridden``). Phas
 (``unbroken.ledger.phases``): ``restore``, ``save`` (durable), ``persist`` (handed to the
 writer), ``shutdown`` (``close``, unless the script named one already).
 
-The parts: ``staging`` (the arena and the copy into it), ``inflight`` (the save in flight,
-its writer process, its outcome), ``restore`` and ``memory`` (disk and memory tiers),
-``keeper`` (the node agent's hold on the arena).
+The flows, module by module: a save's in ``persisting``'s docstring, a restore's in
+``restoring``'s (the phases: ``state``, ``staging``, ``persisting``, ``tiers``, ``restoring``).
 """
 
 from __future__ import annotations
@@ -51,15 +50,17 @@ from typing import Any
 
 import torch.distributed as dist
 
-from unbroken.checkpoint import layout, node, rescue, tiers
-from unbroken.checkpoint.adaptive import AdaptiveSaves
+from unbroken.checkpoint import layout, node
 from unbroken.checkpoint.config import CheckpointConfig, CheckpointError, overridden
-from unbroken.checkpoint.extras import StateExtras
-from unbroken.checkpoint.hooks import WriterHooks, offered
-from unbroken.checkpoint.inflight import CheckpointStats, Inflight
-from unbroken.checkpoint.resolve import ResolveCache, plan_args, resolve_for_save
-from unbroken.checkpoint.restore import restore_recorded
-from unbroken.checkpoint.staging import fill, process_memory
+from unbroken.checkpoint.persisting.hooks import WriterHooks, offered
+from unbroken.checkpoint.persisting.inflight import CheckpointStats, Inflight
+from unbroken.checkpoint.restoring.restore import restore_recorded
+from unbroken.checkpoint.schedule.adaptive import AdaptiveSaves
+from unbroken.checkpoint.staging import rescue
+from unbroken.checkpoint.staging.staging import fill, process_memory
+from unbroken.checkpoint.state.extras import StateExtras
+from unbroken.checkpoint.state.resolve import ResolveCache, plan_args, resolve_for_save
+from unbroken.checkpoint.tiers import tiers
 from unbroken.ledger import NULL, Recorder, owner, phases
 from unbroken.ledger import events as ev
 from unbroken.ledger.active import current as active_ledger
@@ -68,7 +69,6 @@ from unbroken.mask import masked
 __all__ = ["CheckpointStats", "Checkpointer"]
 
 logger = logging.getLogger(__name__)
-
 
 _created: weakref.WeakSet[Checkpointer] = weakref.WeakSet()
 
@@ -99,7 +99,7 @@ class Checkpointer:
     checkpoints any run may restore). ``ledger`` records every save and load (None: the
     active ledger of ``unbroken.run``). Without ``config``, the memory keeper and peers that
     ``unbroken.run`` offers are filled in unless given (``node``). ``hooks`` go to the writer
-    process (``unbroken.checkpoint.hooks``; None: those ``unbroken.run`` offers, if any).
+    process (``unbroken.checkpoint.persisting.hooks``; None: those ``unbroken.run`` offers, if any).
     Use as a context manager or call ``close()``.
     """
 

@@ -76,7 +76,7 @@ class CheckpointConfig:
     memory_tier: bool = True
     """Keep the newest staged snapshots in memory across restarts and restore the newest step
     every rank holds from there (no disk read); every rank then stages the replicated tensors
-    it does not write too (see ``unbroken.checkpoint.memory``)."""
+    it does not write too (see ``unbroken.checkpoint.staging.memory``)."""
     snapshot_every: int = 0
     """``maybe_save`` also snapshots to memory only (nothing persisted) after every this many
     completed steps, between durable saves; 0: only at durable saves. Needs ``memory_tier``."""
@@ -84,7 +84,7 @@ class CheckpointConfig:
     """With the memory tier, ``maybe_save`` notes every step it neither saves nor snapshots
     (~0.6 ms for the reference script, recorded as a ``ckpt_stage`` of ``part`` "note"), so
     that a fault the worker unwinds from snapshots the noted step from the live state
-    (``unbroken.checkpoint.rescue``); False: no notes, a soft fault restores the last snapshot."""
+    (``unbroken.checkpoint.staging.rescue``); False: no notes, a soft fault restores the last snapshot."""
     memory_slots: int = 3
     """Snapshots the staging arena holds (the memory tier; one may be the save persisting):
     at least 2, so the ranks always hold a step in common. 1 without ``memory_tier``."""
@@ -95,7 +95,7 @@ class CheckpointConfig:
     """Every node's peer memory service (``host:port#token``, in node order; ``unbroken-run``
     hands multi-node workers them): each snapshot is replicated, in the background, to the
     next node's, and a restore with nothing in local memory asks every one of them for this
-    rank's newest snapshot (``unbroken.checkpoint.peers``); (): no peer tier."""
+    rank's newest snapshot (``unbroken.checkpoint.tiers.peers``); (): no peer tier."""
     peer_index: int = -1
     """This node's position in ``peers`` (its group rank); snapshots go to the next one."""
     rng: bool = True
@@ -109,7 +109,7 @@ class CheckpointConfig:
     (``UNBROKEN_FINAL_DIGEST=1``); it reads the whole state once."""
     adaptive: bool = False
     """``maybe_save`` picks the durable interval itself (Young/Daly from each save's measured
-    cost and the failure rate: ``unbroken.checkpoint.adaptive``), starting at ``every_steps``.
+    cost and the failure rate: ``unbroken.checkpoint.schedule.adaptive``), starting at ``every_steps``.
     Off by default: the failure rate is only the prior ``mtbf_prior_s`` until faults are seen."""
     adaptive_min_steps: int = 1
     """With ``adaptive``: never save more often than every this many steps."""

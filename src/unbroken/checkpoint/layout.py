@@ -225,7 +225,7 @@ _RECORD_MODULES = frozenset(
         "torch.distributed.checkpoint.planner",
         "torch.distributed.checkpoint.storage",
         "torch.distributed.checkpoint.filesystem",
-        "unbroken.checkpoint.arena",
+        "unbroken.checkpoint.staging.arena",
     }
 )
 _RECORD_NAMES = frozenset(

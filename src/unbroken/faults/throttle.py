@@ -4,7 +4,7 @@ obey them.
 A ``slow-storage`` fault writes ``<root>/.storage-faults/slow-<i>.json`` (fsynced) with
 ``ranks`` (None: every rank), ``bytes_per_s``, and either ``saves`` (how many of each rank's
 saves it slows) or ``until`` (epoch seconds). A writer process that was handed ``SlowStorage``
-as its hooks (``unbroken.checkpoint.hooks``; the fault injector provides them whenever its plan
+as its hooks (``unbroken.checkpoint.persisting.hooks``; the fault injector provides them whenever its plan
 holds a slow-storage fault) asks ``save_rate`` at the start of every save for its cap: the
 lowest rate among the faults that apply to its rank and are not used up. The saves a fault has
 slowed are counted per rank in ``slow-<i>.rank-<R>.used``, so a restarted writer (a new
@@ -74,7 +74,7 @@ def _write_used(path: Path, used: int) -> None:
 
 
 class SlowStorage:
-    """Writer hooks (``unbroken.checkpoint.hooks.WriterHooks``): cap each save at the rate of
+    """Writer hooks (``unbroken.checkpoint.persisting.hooks.WriterHooks``): cap each save at the rate of
     the slow-storage faults in force under the writer's root. Holds no state (picklable)."""
 
     def save_rate(self, *, root: Path, rank: int, step: int) -> float | None:

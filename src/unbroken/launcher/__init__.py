@@ -9,8 +9,8 @@ The worker-side client (``client``) imports nothing but the standard library and
 ``unbroken.env``, so a training step can call it cheaply; importing this package does not
 import torch. ``--ft-metrics-port`` serves the dashboard's Prometheus exporter (imported only
 then), and a multi-node job's agent runs the peer memory service of
-``unbroken.checkpoint.peers``. Imports of ours: ``unbroken.errors``, ``unbroken.version``,
-``unbroken.env``, ``unbroken.log``, ``unbroken.ledger``, ``unbroken.checkpoint.peers``,
+``unbroken.checkpoint.tiers.peers``. Imports of ours: ``unbroken.errors``, ``unbroken.version``,
+``unbroken.env``, ``unbroken.log``, ``unbroken.ledger``, ``unbroken.checkpoint.tiers.peers``,
 ``unbroken.dashboard.metrics``.
 """
 

@@ -212,7 +212,7 @@ def _run(spec: largs.JobSpec, cfg: largs.lconfig.LauncherConfig, run_dir: Path, 
         from unbroken.launcher.rendezvous import C10dRendezvous
 
         if spec.max_nodes > 1:  # other nodes restore from, and replicate to, this one
-            from unbroken.checkpoint.peers import PeerService
+            from unbroken.checkpoint.tiers.peers import PeerService
 
             host = node_addr(spec)
             peers = PeerService(host=host, bind=listen.bind_address(host, single_node=False))

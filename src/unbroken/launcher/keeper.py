@@ -2,7 +2,7 @@
 
 A worker hands the keeper its arena's memfd when it allocates one (``put``, keyed by checkpoint
 directory and rank); the next process of that rank asks for it (``get``) and restores its newest
-snapshot from memory instead of disk (``unbroken.checkpoint.memory``); ``keys`` lists the keys
+snapshot from memory instead of disk (``unbroken.checkpoint.staging.memory``); ``keys`` lists the keys
 held under a prefix (a restarted worker looks at its node's other ranks). The keeper never maps
 the memory: it only holds the descriptors, closes the one a ``put`` replaces, and closes all
 at the end of the job. memfds have no name, so nothing is left in /dev/shm whatever happens to
@@ -10,7 +10,7 @@ the agent: a SIGKILLed agent's descriptors close with it and the kernel frees th
 
 The socket is a unix seqpacket socket in the abstract namespace (no file either, but reachable
 by any process of the network namespace: requests from another user, by SO_PEERCRED, are
-refused), served by one thread; the protocol is ``unbroken.checkpoint.keeper``'s (one JSON message each way, the fd as
+refused), served by one thread; the protocol is ``unbroken.checkpoint.tiers.keeper``'s (one JSON message each way, the fd as
 SCM_RIGHTS).
 """
 

@@ -78,7 +78,7 @@ class RoundInfo:
 
 
 class PeerPort(Protocol):
-    """This node's peer memory service (``unbroken.checkpoint.peers.PeerService``)."""
+    """This node's peer memory service (``unbroken.checkpoint.tiers.peers.PeerService``)."""
 
     @property
     def peer(self) -> object: ...  # its address, as str() gives it: host:port#token

@@ -27,7 +27,7 @@ PHASE = "phase"  # interval; data: name (one of PHASES, or a user's phase: ``pha
 # time on or waiting for a CPU in it: ``busy``).
 STEP = "step"
 # Interval the trainer was blocked by a save; data: step, bytes, or part: "overlap" (waiting for
-# a background copy) or "note" (a step noted for a rescue, unbroken.checkpoint.rescue).
+# a background copy) or "note" (a step noted for a rescue, unbroken.checkpoint.staging.rescue).
 CKPT_STAGE = "ckpt_stage"
 CKPT_PERSIST = "ckpt_persist"  # background interval; data: step, bytes
 CKPT_COMMIT = "ckpt_commit"  # data: step

@@ -43,9 +43,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from unbroken.checkpoint import memory
-from unbroken.checkpoint.arena import Arena
 from unbroken.checkpoint.config import split_peer
+from unbroken.checkpoint.staging import memory
+from unbroken.checkpoint.staging.arena import Arena
 
 logger = logging.getLogger(__name__)
 

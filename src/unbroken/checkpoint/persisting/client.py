@@ -27,7 +27,7 @@ Two ways to start the writer (``start``):
   fork server's, of a copy of the trainer made before its model: the writer then shares no
   page the trainer writes (``forkserver``); the trainer signals it by pid and hears how it
   ended from the server.
-* ``"spawn"``: a fresh interpreter (``python -m unbroken.checkpoint.writer``).
+* ``"spawn"``: a fresh interpreter (``python -m unbroken.checkpoint.persisting.writer``).
 """
 
 from __future__ import annotations
@@ -45,8 +45,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal
 
-from unbroken.checkpoint import forkserver, protocol
 from unbroken.checkpoint.config import CheckpointError, WriterStart
+from unbroken.checkpoint.persisting import forkserver, protocol
 
 logger = logging.getLogger(__name__)
 
@@ -66,7 +66,7 @@ def describe_exit(code: int | None) -> str:
 
 def _fork_writer(argv: list[str], sock_fd: int) -> int:
     """Fork a writer serving ``sock_fd`` from this process; its pid (see the module docstring)."""
-    from unbroken.checkpoint import writer
+    from unbroken.checkpoint.persisting import writer
 
     writer.preload()
     pid = os.fork()
@@ -170,7 +170,7 @@ class WriterClient:
                 env = dict(os.environ)
                 env["PYTHONPATH"] = _PKG_ROOT + os.pathsep + env.get("PYTHONPATH", "")
                 own = [*args, "--parent-pid", str(os.getpid()), *pdeathsig]
-                cmd = [sys.executable, "-m", "unbroken.checkpoint.writer", *own]
+                cmd = [sys.executable, "-m", "unbroken.checkpoint.persisting.writer", *own]
                 self.proc = subprocess.Popen(
                     cmd, pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL, env=env
                 )

@@ -20,9 +20,9 @@ from pathlib import Path
 from typing import Any, Literal
 
 from unbroken.checkpoint import layout
-from unbroken.checkpoint.client import WriterClient
 from unbroken.checkpoint.config import CheckpointConfig, CheckpointError
-from unbroken.checkpoint.hooks import WriterHooks
+from unbroken.checkpoint.persisting.client import WriterClient
+from unbroken.checkpoint.persisting.hooks import WriterHooks
 from unbroken.ledger import Recorder
 from unbroken.ledger import events as ev
 from unbroken.mask import masked
@@ -261,7 +261,7 @@ class Inflight:
 
     def wait_commit_on_disk(self, save: Save) -> None:
         """Ranks but 0: after this rank's data persisted, watch for rank 0's commit."""
-        from unbroken.checkpoint.commit import abandon_reason
+        from unbroken.checkpoint.persisting.commit import abandon_reason
 
         marker = layout.step_dir(self.root, save.step) / layout.COMMITTED
         part = layout.partial_dir(self.root, save.step)

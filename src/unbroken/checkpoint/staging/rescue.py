@@ -41,8 +41,8 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
-from unbroken.checkpoint import reuse
-from unbroken.checkpoint.resolve import PerRank, _is_stateful
+from unbroken.checkpoint.state import reuse
+from unbroken.checkpoint.state.resolve import PerRank, is_stateful
 
 logger = logging.getLogger(__name__)
 
@@ -149,7 +149,7 @@ class Notes:
                     frozen[key] = value
                     continue
                 inner = value.obj if isinstance(value, PerRank) else value
-                if _is_stateful(inner):
+                if is_stateful(inner):
                     held = _Frozen(_freeze(inner.state_dict()))
                 else:
                     held = _freeze(inner)

@@ -35,10 +35,13 @@ from typing import Any
 
 import torch.distributed as dist
 
-from unbroken.checkpoint import freshopt, keeper, layout, memory, peers
-from unbroken.checkpoint.arena import Arena
+from unbroken.checkpoint import layout
 from unbroken.checkpoint.config import CheckpointConfig
-from unbroken.checkpoint.staging import Staging
+from unbroken.checkpoint.staging import memory
+from unbroken.checkpoint.staging.arena import Arena
+from unbroken.checkpoint.staging.staging import Staging
+from unbroken.checkpoint.state import freshopt
+from unbroken.checkpoint.tiers import keeper, peers
 from unbroken.ledger import Recorder
 from unbroken.ledger import events as ev
 

@@ -29,9 +29,10 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from unbroken.checkpoint import freshopt, layout
+from unbroken.checkpoint import layout
 from unbroken.checkpoint.config import CheckpointConfig, CheckpointError
-from unbroken.checkpoint.resolve import apply_loaded, template_for_load
+from unbroken.checkpoint.state import freshopt
+from unbroken.checkpoint.state.resolve import apply_loaded, template_for_load
 from unbroken.ledger import Recorder
 from unbroken.ledger import events as ev
 

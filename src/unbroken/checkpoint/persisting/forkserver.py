@@ -39,8 +39,8 @@ import traceback
 from collections.abc import Iterator
 from typing import Any, NoReturn
 
-from unbroken.checkpoint import protocol
 from unbroken.checkpoint.config import CheckpointError
+from unbroken.checkpoint.persisting import protocol
 
 logger = logging.getLogger(__name__)
 
@@ -86,7 +86,7 @@ def prepare_child(keep: set[int]) -> None:
 def run_writer(argv: list[str], *, sock_fd: int) -> NoReturn:
     """A child just forked to be a writer on ``sock_fd``: ``prepare_child``, the writer's main,
     then ``os._exit`` (nothing of the parent's runs in it, not even on an error)."""
-    from unbroken.checkpoint import writer
+    from unbroken.checkpoint.persisting import writer
 
     code = 70
     try:
@@ -147,7 +147,7 @@ class ForkServer:
     """The trainer's handle on its fork server. Methods may be called from any thread."""
 
     def __init__(self) -> None:
-        from unbroken.checkpoint import writer
+        from unbroken.checkpoint.persisting import writer
 
         writer.preload()  # the server and its writers import nothing (see writer.preload)
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)

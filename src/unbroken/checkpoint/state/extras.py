@@ -15,9 +15,9 @@ from collections.abc import Mapping
 from typing import Any
 
 from unbroken.checkpoint.config import CheckpointConfig
-from unbroken.checkpoint.digest import local_digest
-from unbroken.checkpoint.resolve import PerRank
-from unbroken.checkpoint.rng import capture_rng_state, restore_rng_state
+from unbroken.checkpoint.state.digest import local_digest
+from unbroken.checkpoint.state.resolve import PerRank
+from unbroken.checkpoint.state.rng import capture_rng_state, restore_rng_state
 from unbroken.ledger import Recorder
 from unbroken.ledger import events as ev
 

@@ -46,7 +46,7 @@ from torch import nn
 from torch.distributed.checkpoint import state_dict as _sd
 from torch.distributed.tensor import DTensor
 
-from unbroken.checkpoint import naming
+from unbroken.checkpoint.state import naming
 
 logger = logging.getLogger(__name__)
 

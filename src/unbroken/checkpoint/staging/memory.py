@@ -42,9 +42,10 @@ from torch.distributed.checkpoint.planner import WriteItemType
 from torch.distributed.checkpoint.planner_helpers import _create_write_items
 from torch.distributed.tensor import DTensor
 
-from unbroken.checkpoint import freshopt, layout
-from unbroken.checkpoint.arena import Arena, Slot
-from unbroken.checkpoint.resolve import _in_mesh, _local, apply_loaded, template_for_load
+from unbroken.checkpoint import layout
+from unbroken.checkpoint.staging.arena import Arena, Slot
+from unbroken.checkpoint.state import freshopt
+from unbroken.checkpoint.state.resolve import apply_loaded, in_mesh, local_shard, template_for_load
 
 logger = logging.getLogger(__name__)
 
@@ -366,12 +367,14 @@ def _loaded_in_place(plan: Any, values: list[str]) -> str | None:
             return None
     if plan.live_model:  # its entries are the live parameters and buffers themselves
         return key
-    live = {_local(t).untyped_storage().data_ptr() for t in (*model.parameters(), *model.buffers())}
+    live = {
+        local_shard(t).untyped_storage().data_ptr() for t in (*model.parameters(), *model.buffers())
+    }
     flat, _ = flatten_state_dict(plan.template[key])
     return (
         key
         if all(
-            isinstance(t, torch.Tensor) and _local(t).untyped_storage().data_ptr() in live
+            isinstance(t, torch.Tensor) and local_shard(t).untyped_storage().data_ptr() in live
             for t in flat.values()
         )
         else None
@@ -414,7 +417,7 @@ def _match(state: Any, snapshot: Snapshot, plan: Any, *, rank: int) -> Pending:
     meshes: dict[int, bool] = {}
     shards: dict[Any, list[tuple[int, ...]]] = {}  # a DTensor's layout -> its shards' offsets
     for fqn, obj in flat.items():
-        if isinstance(obj, DTensor) and not _in_mesh(obj.device_mesh, meshes):
+        if isinstance(obj, DTensor) and not in_mesh(obj.device_mesh, meshes):
             continue
         offsets = _offsets(fqn, obj, shards)
         if offsets is None:
@@ -424,7 +427,7 @@ def _match(state: Any, snapshot: Snapshot, plan: Any, *, rank: int) -> Pending:
             continue
         for offset in offsets:
             slot = slots.get((fqn, offset))
-            local = _local(obj)
+            local = local_shard(obj)
             if slot is None or slot.dtype != local.dtype or slot.shape != tuple(local.shape):
                 held = None if slot is None else (slot.dtype, slot.shape)
                 raise Mismatch(

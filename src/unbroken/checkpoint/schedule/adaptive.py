@@ -23,8 +23,8 @@ import torch.distributed as dist
 
 from unbroken.checkpoint import node
 from unbroken.checkpoint.config import CheckpointConfig
-from unbroken.checkpoint.inflight import CheckpointStats
-from unbroken.checkpoint.interval import AdaptiveInterval, IntervalConfig
+from unbroken.checkpoint.persisting.inflight import CheckpointStats
+from unbroken.checkpoint.schedule.interval import AdaptiveInterval, IntervalConfig
 from unbroken.ledger import Recorder
 
 _policies: dict[Path, AdaptiveInterval] = {}

@@ -39,8 +39,8 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor
 
-from unbroken.checkpoint import freshopt, naming, reuse
-from unbroken.checkpoint.savecache import Later, ResolveCache, _serialize
+from unbroken.checkpoint.state import freshopt, naming, reuse
+from unbroken.checkpoint.state.savecache import Later, ResolveCache, serialize
 
 logger = logging.getLogger(__name__)
 
@@ -56,7 +56,15 @@ class PerRank:
         self.obj = obj
 
 
-def _is_stateful(obj: Any) -> bool:
+def is_stateful(obj: Any) -> bool:
+    """Whether ``obj`` is a ``Stateful`` (DCP's protocol), by duck typing.
+
+    Args:
+        obj: any value of a state.
+
+    Returns:
+        True when it has callable ``state_dict`` and ``load_state_dict``.
+    """
     return callable(getattr(obj, "state_dict", None)) and callable(
         getattr(obj, "load_state_dict", None)
     )
@@ -145,7 +153,7 @@ def _split(state: Mapping[str, Any]) -> _Parts:
             modules.append((key, inner))
         elif isinstance(inner, torch.optim.Optimizer):
             parts.optims.append((key, inner))
-        elif not (_is_stateful(inner) or isinstance(inner, (torch.Tensor, Mapping))):
+        elif not (is_stateful(inner) or isinstance(inner, (torch.Tensor, Mapping))):
             raise ValueError(
                 f"state[{key!r}] is a {type(inner).__name__}; expected an nn.Module, an "
                 "Optimizer, a Stateful (state_dict/load_state_dict), a tensor or a dict"
@@ -182,7 +190,7 @@ def _nested(
             else:
                 sd = get_optimizer_state_dict(model, inner)
             roles[key] = "optim"
-        elif _is_stateful(inner):
+        elif is_stateful(inner):
             sd = inner.state_dict()
             roles[key] = "extra"
         else:
@@ -192,15 +200,31 @@ def _nested(
     return nested, roles
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """A DTensor's local shard (its storage, without ``to_local``'s autograd overhead)."""
+def local_shard(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (its storage, without ``to_local``'s autograd overhead).
+
+    Args:
+        t: a tensor or a DTensor.
+
+    Returns:
+        The DTensor's local tensor, else ``t`` itself.
+    """
     if isinstance(t, DTensor):
         local = getattr(t, "_local_tensor", None)
         return local if isinstance(local, torch.Tensor) else t.to_local()
     return t
 
 
-def _in_mesh(mesh: Any, seen: dict[int, bool]) -> bool:
+def in_mesh(mesh: Any, seen: dict[int, bool]) -> bool:
+    """Whether this rank is part of ``mesh`` (a DTensor outside it has no local shard here).
+
+    Args:
+        mesh: a DTensor's ``device_mesh``.
+        seen: answers so far, by ``id(mesh)``; filled in (one call per save or load).
+
+    Returns:
+        True when this rank has a coordinate in ``mesh``.
+    """
     if id(mesh) not in seen:
         seen[id(mesh)] = mesh.get_coordinate() is not None
     return seen[id(mesh)]
@@ -244,7 +268,7 @@ def resolve_for_save(
     flat, mappings = flatten_state_dict(nested)
     param_ptrs: set[int] = set()
     if overlap and parts.model is not None:
-        param_ptrs = {_local(p.data).data_ptr() for p in parts.model[1].parameters()}
+        param_ptrs = {local_shard(p.data).data_ptr() for p in parts.model[1].parameters()}
     replicated = [
         (fqn, obj.numel() * obj.element_size())
         for fqn, obj in flat.items()
@@ -304,7 +328,7 @@ def _items(
         key = str(mappings[fqn][0])
         role = roles[key]
         mine = by_key.setdefault(key, [])
-        if isinstance(obj, DTensor) and not _in_mesh(obj.device_mesh, meshes):
+        if isinstance(obj, DTensor) and not in_mesh(obj.device_mesh, meshes):
             continue  # not part of this DTensor's mesh
         for wi in cache.items_for(fqn, obj) if cache else _create_write_items(fqn, obj):
             if wi.type == WriteItemType.BYTE_IO:
@@ -312,7 +336,7 @@ def _items(
                     payload, later = cache.serialize_later(fqn, obj)
                     mine.append(StageItem(wi, payload=payload, pending=later))
                     continue
-                payload = cache.serialize(fqn, obj) if cache else _serialize(obj)
+                payload = cache.serialize(fqn, obj) if cache else serialize(obj)
                 mine.append(StageItem(wi, payload=payload))
                 continue
             persist = True
@@ -322,7 +346,7 @@ def _items(
                     if not stage_all:
                         continue
                     persist = False
-            local = _local(obj).detach()
+            local = local_shard(obj).detach()
             background = overlap and (
                 role == "optim" or (role == "model" and local.data_ptr() in param_ptrs)
             )
@@ -469,7 +493,7 @@ def apply_loaded(state: Mapping[str, Any], plan: LoadPlan, *, rank: int) -> None
                 freshopt.load(model, inner, loaded)
             else:
                 set_optimizer_state_dict(model, inner, loaded)
-        elif _is_stateful(inner):
+        elif is_stateful(inner):
             inner.load_state_dict(loaded)
         elif isinstance(inner, Mapping) and inner is not loaded:
             inner.update(loaded)  # type: ignore[attr-defined]

@@ -46,7 +46,7 @@ def _same(containers: list[dict[Any, Any]], keys: list[Any], objs: list[Any]) ->
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
-    """A DTensor's local shard (as ``resolve._local``), else the tensor itself."""
+    """A DTensor's local shard (as ``resolve.local_shard``), else the tensor itself."""
     if isinstance(t, DTensor):
         local = getattr(t, "_local_tensor", None)
         return local if isinstance(local, torch.Tensor) else t.to_local()

@@ -26,8 +26,8 @@ from typing import Any, Protocol
 
 import torch
 
-from unbroken.checkpoint import memory
-from unbroken.checkpoint.arena import Arena, Slot, copy_tensors, plan_slots
+from unbroken.checkpoint.staging import memory
+from unbroken.checkpoint.staging.arena import Arena, Slot, copy_tensors, plan_slots
 
 logger = logging.getLogger(__name__)
 

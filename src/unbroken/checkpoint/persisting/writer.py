@@ -1,6 +1,6 @@
 """The persistent checkpoint writer: one process per rank, started once by its trainer.
 
-Run as ``python -m unbroken.checkpoint.writer`` (a plain subprocess, not multiprocessing, so
+Run as ``python -m unbroken.checkpoint.persisting.writer`` (a plain subprocess, not multiprocessing, so
 the trainer needs no ``__main__`` guard). It talks to its trainer over one Unix socket (see
 ``protocol``) and reads staged tensors from the shared arena the trainer hands it.
 
@@ -37,11 +37,12 @@ import zlib
 from pathlib import Path
 from typing import Any
 
-from unbroken.checkpoint import layout, protocol  # none imports torch
-from unbroken.checkpoint.hooks import NO_HOOKS, WriterHooks
+from unbroken.checkpoint import layout  # none imports torch
+from unbroken.checkpoint.persisting import protocol
+from unbroken.checkpoint.persisting.hooks import NO_HOOKS, WriterHooks
 from unbroken.log import init_logging
 
-logger = logging.getLogger("unbroken.checkpoint.writer")
+logger = logging.getLogger("unbroken.checkpoint.persisting.writer")
 
 _PR_SET_PDEATHSIG = 1
 _WRITE_SLICE = 4 << 20
@@ -76,8 +77,8 @@ def preload() -> None:
     import torch
     from torch.distributed.checkpoint import filesystem, storage  # noqa: F401
 
-    import unbroken.checkpoint.arena
-    import unbroken.checkpoint.commit  # noqa: F401  (imports DCP's planner and metadata)
+    import unbroken.checkpoint.persisting.commit  # noqa: F401  (imports DCP's planner and metadata)
+    import unbroken.checkpoint.staging.arena  # noqa: F401  (a save's slots unpickle into it)
 
     torch.save(torch.empty(0), io.BytesIO())  # torch.save imports more on its first use
 
@@ -221,7 +222,7 @@ class Writer:
 
     # --- one save ----------------------------------------------------------------------------
     def _save(self, msg: dict[str, Any]) -> None:
-        from unbroken.checkpoint import commit
+        from unbroken.checkpoint.persisting import commit
 
         step = self.step = msg["step"]
         part = layout.partial_dir(self.root, step)
@@ -288,7 +289,7 @@ class Writer:
         from torch.distributed.checkpoint.filesystem import _StorageInfo
         from torch.distributed.checkpoint.storage import WriteResult
 
-        from unbroken.checkpoint import commit
+        from unbroken.checkpoint.persisting import commit
 
         torch = self.torch
         part.mkdir(parents=True, exist_ok=True)
@@ -435,7 +436,7 @@ def _rss_bytes() -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m unbroken.checkpoint.writer")
+    p = argparse.ArgumentParser(prog="python -m unbroken.checkpoint.persisting.writer")
     p.add_argument("--fd", type=int, required=True, help="the socket to the trainer")
     p.add_argument("--parent-pid", type=int, required=True)
     p.add_argument("--pdeathsig", action="store_true")
