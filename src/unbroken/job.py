@@ -199,7 +199,11 @@ def main(
     process with the code the launcher expects. Sets up logging unless the script already did.
 
     Args:
-        fn, config, run_dir, fault_plan, meta: as for ``run``.
+        fn: as for ``run``.
+        config: as for ``run``.
+        run_dir: as for ``run``.
+        fault_plan: as for ``run``.
+        meta: as for ``run``.
         exit_fast: on an error, exit at once (``os._exit``) once the ledger, the error file
             and the traceback are written, skipping the interpreter's teardown with torch
             loaded (module finalizers, process-group destructors: a fraction of a second the

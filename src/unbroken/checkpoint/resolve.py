@@ -50,6 +50,9 @@ class PerRank:
 
     Saved under ``<key>.rank<R>``; restored into rank R when the checkpoint has that key
     (same world size), and left as it is otherwise.
+
+    Args:
+        obj: The value: a Stateful, a mapping or a tensor, as a state value may be.
     """
 
     def __init__(self, obj: Any) -> None:
