@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from procs import one_rank
-from unbroken.checkpoint import Checkpointer
+from unbroken.checkpoint import CheckpointConfig, Checkpointer
 from unbroken.restart import RestartConfig, RestartContext, run
 
 pytestmark = pytest.mark.dist
@@ -78,7 +78,11 @@ def test_resources_stay_flat_over_100_in_process_restarts(store_addr: str, tmp_p
     def fn(ctx: RestartContext) -> int:
         samples.append(resources())
         state = {"w": torch.zeros(256)}
-        ckpt = Checkpointer(tmp_path / "ckpt", writer_start="fork", persist_timeout_s=60.0)
+        ckpt = Checkpointer(
+            tmp_path / "ckpt",
+            persist_timeout_s=60.0,
+            config=CheckpointConfig(writer_start="fork"),
+        )
         try:
             with ctx.no_hang_protection():
                 restored.append(ckpt.restore(state))

@@ -15,7 +15,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from toy import mlp, train_step
-from unbroken.checkpoint import Checkpointer, CheckpointError, PerRank, layout
+from unbroken.checkpoint import CheckpointConfig, Checkpointer, CheckpointError, PerRank, layout
 from unbroken.checkpoint.staging import staging as staging_mod
 from unbroken.faults import throttle
 from unbroken.ledger import Ledger, read_events
@@ -48,6 +48,11 @@ def _snapshot(model: torch.nn.Module, optim: torch.optim.Optimizer) -> dict[str,
 
 def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def _throttled(mbps: float) -> CheckpointConfig:
+    """A writer capped at ``mbps`` MB/s: emulated slow storage."""
+    return CheckpointConfig(throttle_mbps=mbps)
 
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # the raw dcp.load below
@@ -111,14 +116,14 @@ def test_a_checkpoint_holds_the_values_at_save_time(
 def test_skip_policy_drops_a_save_while_one_persists_and_wait_blocks(tmp_path: Path) -> None:
     led = Ledger(tmp_path, run="t", rank=0)
     big = {"w": torch.randn(1 << 20)}  # 4 MiB at 8 MB/s: ~0.5 s to persist
-    with Checkpointer(tmp_path / "skip", ledger=led, throttle_mbps=8.0) as ck:
+    with Checkpointer(tmp_path / "skip", ledger=led, config=_throttled(8.0)) as ck:
         assert ck.save(1, big)
         assert ck.last_committed is None  # staged, not yet durable
         assert not ck.save(2, big)  # still persisting step 1
         ck.wait()
         assert ck.stats().skipped == 1 and ck.latest() == 1
         assert ck.last_committed == 1  # what the launcher's no-progress guard is told
-    with Checkpointer(tmp_path / "wait", ledger=led, throttle_mbps=8.0, on_busy="wait") as ck:
+    with Checkpointer(tmp_path / "wait", ledger=led, config=_throttled(8.0), on_busy="wait") as ck:
         assert ck.save(1, big)
         assert ck.save(2, big)
         stats = ck.stats()
@@ -137,7 +142,7 @@ def test_skip_policy_drops_a_save_while_one_persists_and_wait_blocks(tmp_path: P
 def test_writer_death_is_raised_within_a_second_never_an_endless_wait(tmp_path: Path) -> None:
     led = Ledger(tmp_path, run="t", rank=0)
     state = {"w": torch.randn(1 << 20)}
-    ck = Checkpointer(tmp_path / "ckpt", ledger=led, throttle_mbps=2.0)
+    ck = Checkpointer(tmp_path / "ckpt", ledger=led, config=_throttled(2.0))
     try:
         ck.save(1, state)  # ~2 s to persist: in flight when its writer dies
         pid = ck.writer_pid
@@ -160,7 +165,7 @@ def test_writer_death_is_raised_within_a_second_never_an_endless_wait(tmp_path: 
 
 def test_stalled_storage_is_reported_and_the_older_checkpoint_survives(tmp_path: Path) -> None:
     led = Ledger(tmp_path, run="t", rank=0)
-    ck = Checkpointer(tmp_path / "ckpt", ledger=led, throttle_mbps=1.0, persist_timeout_s=0.5)
+    ck = Checkpointer(tmp_path / "ckpt", ledger=led, config=_throttled(1.0), persist_timeout_s=0.5)
     try:
         small = {"w": torch.arange(1000.0)}
         ck.save(1, small)
@@ -252,7 +257,7 @@ def test_the_resolve_cache_gives_what_dcp_gives_and_relearns(tmp_path: Path) -> 
 def test_either_writer_start_saves_and_restores(tmp_path: Path, start: str) -> None:
     model, optim = _model(0)
     train_step(model, optim)
-    with Checkpointer(tmp_path / "ckpt", writer_start=start) as ck:
+    with Checkpointer(tmp_path / "ckpt", config=CheckpointConfig(writer_start=start)) as ck:
         ck.save(3, {"model": model, "optim": optim})
         ck.wait()
     want = _snapshot(model, optim)
@@ -287,7 +292,11 @@ def test_injected_hooks_reach_the_writer(tmp_path: Path, start: str) -> None:
     """The hooks are pickled to the writer process (forked or spawned), which calls them."""
     used = _slow_storage_fault(tmp_path / "ckpt")
     w = torch.arange(1000.0)
-    with Checkpointer(tmp_path / "ckpt", writer_start=start, hooks=throttle.SlowStorage()) as ck:
+    with Checkpointer(
+        tmp_path / "ckpt",
+        config=CheckpointConfig(writer_start=start),
+        hooks=throttle.SlowStorage(),
+    ) as ck:
         for step in (1, 2):
             ck.save(step, {"w": w})
             ck.wait()
@@ -299,7 +308,7 @@ def test_a_forked_writer_holds_none_of_the_trainers_connections(tmp_path: Path) 
     """A fork inherits every descriptor; a writer keeping the trainer's peer or store sockets
     open would hide the trainer's close from its peers (no EOF). The child must drop them."""
     mine, peer = socket.socketpair()
-    with Checkpointer(tmp_path / "ckpt", writer_start="fork") as ck:
+    with Checkpointer(tmp_path / "ckpt", config=CheckpointConfig(writer_start="fork")) as ck:
         pid = ck.writer_pid
         assert pid is not None and pid != os.getpid()
         ck.save(0, {"w": torch.arange(10.0)})
@@ -319,7 +328,7 @@ def test_after_an_abort_the_next_checkpointer_restores_from_memory(tmp_path: Pat
     led = Ledger(tmp_path, run="t", rank=0)
     model, optim = _model(0)
     cursor = Cursor()
-    ck = Checkpointer(tmp_path / "ckpt", ledger=led, throttle_mbps=0.05)  # never durable
+    ck = Checkpointer(tmp_path / "ckpt", ledger=led, config=_throttled(0.05))  # never durable
     train_step(model, optim)
     cursor.position = 11
     ck.save(4, {"model": model, "optim": optim, "data": cursor})
@@ -348,7 +357,7 @@ def test_a_snapshot_that_does_not_fit_falls_back_to_disk(tmp_path: Path) -> None
         ck.save(2, {"model": model, "optim": optim})
         ck.wait()
     expected = _snapshot(model, optim)
-    ck = Checkpointer(tmp_path / "ckpt", throttle_mbps=0.05)  # never durable: 5 s
+    ck = Checkpointer(tmp_path / "ckpt", config=_throttled(0.05))  # never durable: 5 s
     other = torch.nn.Linear(3, 3)
     pad = torch.zeros(1 << 16)
     ck.save(3, {"model": other, "optim": torch.optim.AdamW(other.parameters()), "pad": pad})

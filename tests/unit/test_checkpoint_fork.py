@@ -23,8 +23,10 @@ class LogHooks:
         return None
 
 def save(root):
-    ckpt = Checkpointer(root, writer_start="fork", hooks=LogHooks(), memory_tier=False,
-                        writer_start_timeout_s=10.0, persist_timeout_s=10.0)
+    from unbroken.checkpoint import CheckpointConfig
+    config = CheckpointConfig(writer_start="fork", writer_start_timeout_s=10.0)
+    ckpt = Checkpointer(root, hooks=LogHooks(), memory_tier=False, persist_timeout_s=10.0,
+                        config=config)
     ckpt.save(0, {"w": torch.arange(64, dtype=torch.float32)})
     ckpt.close()
     return ckpt.latest()

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from hooks import PauseUntil, paused_marker
-from unbroken.checkpoint import Checkpointer, CheckpointError, layout
+from unbroken.checkpoint import CheckpointConfig, Checkpointer, CheckpointError, layout
 from unbroken.launcher import errors
 from unbroken.ledger import Ledger, read_events
 
@@ -125,7 +125,12 @@ def test_storage_turning_read_only_during_a_save(
     try:
         hooks = PauseUntil("done", 1, go)  # every rank's data written, nothing published yet
         with Checkpointer(
-            root, run="r", ledger=led, keep=2, hooks=hooks, writer_start="fork"
+            root,
+            run="r",
+            ledger=led,
+            keep=2,
+            hooks=hooks,
+            config=CheckpointConfig(writer_start="fork"),
         ) as ck:
             w.fill_(1.0)
             ck.save(0, {"w": w})

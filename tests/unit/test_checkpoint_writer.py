@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from unbroken.checkpoint import Checkpointer
+from unbroken.checkpoint import CheckpointConfig, Checkpointer
 from unbroken.checkpoint.persisting.writer import ChecksumWriter
 
 
@@ -40,7 +40,7 @@ def _served(ck: Checkpointer) -> int:
 
 
 def test_the_writer_leaves_the_trainers_session_and_runs_on_what_training_leaves(tmp_path):
-    with Checkpointer(tmp_path / "ckpt", writer_start="fork") as ck:
+    with Checkpointer(tmp_path / "ckpt", config=CheckpointConfig(writer_start="fork")) as ck:
         pid = _served(ck)
         assert os.getsid(pid) == pid != os.getsid(0)
         assert os.sched_getscheduler(pid) == os.SCHED_IDLE
@@ -54,7 +54,8 @@ def test_the_writer_leaves_the_trainers_session_and_runs_on_what_training_leaves
 
 def test_a_writer_at_the_trainers_priority_stays_in_its_session(tmp_path):
     with Checkpointer(
-        tmp_path / "ckpt", writer_start="fork", writer_nice=0, writer_idle=False
+        tmp_path / "ckpt",
+        config=CheckpointConfig(writer_start="fork", writer_nice=0, writer_idle=False),
     ) as ck:
         pid = _served(ck)
         assert os.getsid(pid) == os.getsid(0)

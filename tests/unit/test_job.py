@@ -194,7 +194,8 @@ def train(ctx):
     torch.manual_seed(0)
     state = {{"model": torch.nn.Linear(256, 256)}}
     # The commit of the last save takes ~1 s (0.25 MB/s), longer than the 0.3 s timeout.
-    ckpt = unbroken.Checkpointer(ctx.run_dir / "ckpt", every_steps=1, throttle_mbps=0.25)
+    slow = unbroken.CheckpointConfig(throttle_mbps=0.25)
+    ckpt = unbroken.Checkpointer(ctx.run_dir / "ckpt", every_steps=1, config=slow)
     for step in range(3):
         ctx.step_done(step)
     ckpt.save(2, state)

@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 import torch
 
-from unbroken.checkpoint import Checkpointer
+from unbroken.checkpoint import CheckpointConfig, Checkpointer
 from unbroken.ledger import Ledger, read_events
 from unbroken.mask import masked
 from unbroken.restart import RestartInterrupt
@@ -147,7 +147,12 @@ def _redeliver(intr: Interrupter, stop: threading.Event) -> None:
 
 # --- a real Checkpointer and its writer process -------------------------------------------------
 def _saved_checkpointer(root: Path) -> Checkpointer:
-    ckpt = Checkpointer(root, writer_start="fork", memory_tier=False, persist_timeout_s=60.0)
+    ckpt = Checkpointer(
+        root,
+        memory_tier=False,
+        persist_timeout_s=60.0,
+        config=CheckpointConfig(writer_start="fork"),
+    )
     ckpt.save(0, {"w": torch.arange(1024, dtype=torch.float32)})
     ckpt.wait()
     return ckpt

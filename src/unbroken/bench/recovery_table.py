@@ -8,8 +8,8 @@ runs' other differences (clean's ranks are one-rank pods, like the baseline's).
 
 With ``--repeat N`` every configuration but clean runs N times, round-robin (each run's gap is
 taken against its twin of the same round), and ``format_summary`` gives each figure's median
-and range over the rounds: two runs of one configuration differ here by more than a goal's
-margin (the twins' step times by up to 10%), so a goal is judged on the median.
+and range over the rounds: two runs of one configuration on a shared machine may differ by
+more than a goal's margin (the twins' step times too), so a goal is judged on the median.
 """
 
 from __future__ import annotations

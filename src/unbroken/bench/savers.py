@@ -14,7 +14,7 @@ import contextlib
 import io
 import time
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 _SLICE = 4 << 20
 
@@ -200,8 +200,8 @@ class DcpAsync(Saver):
 
 
 class UnbrokenSaver(Saver):
-    def __init__(self, ctx: Trainee, *, on_busy: str) -> None:
-        from unbroken.checkpoint import Checkpointer
+    def __init__(self, ctx: Trainee, *, on_busy: Literal["skip", "wait"]) -> None:
+        from unbroken.checkpoint import CheckpointConfig, Checkpointer
 
         self.mode = "unbroken" if on_busy == "skip" else "unbroken-wait"
         self.ctx = ctx
@@ -209,8 +209,8 @@ class UnbrokenSaver(Saver):
             ctx.root / self.mode,
             overlap=True,
             on_busy=on_busy,
-            throttle_mbps=ctx.throttle,
             keep=2,
+            config=CheckpointConfig(throttle_mbps=ctx.throttle),
         )
         self._seen = self.ck.stats()
 

@@ -36,14 +36,12 @@ The flows, module by module: a save's in ``persisting``'s docstring, a restore's
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import functools
 import logging
 import os
 import socket
 import time
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -51,15 +49,23 @@ from typing import Any
 import torch.distributed as dist
 
 from unbroken.checkpoint import layout, node
-from unbroken.checkpoint.config import CheckpointConfig, CheckpointError, overridden
+from unbroken.checkpoint.config import (
+    SETTINGS,
+    CheckpointConfig,
+    CheckpointError,
+    Mode,
+    OnBusy,
+    merged,
+    overridden,
+)
 from unbroken.checkpoint.persisting.hooks import WriterHooks, offered
 from unbroken.checkpoint.persisting.inflight import CheckpointStats, Inflight
 from unbroken.checkpoint.restoring.restore import restore_recorded
+from unbroken.checkpoint.save import note, stage
 from unbroken.checkpoint.schedule.adaptive import AdaptiveSaves
-from unbroken.checkpoint.staging import rescue
-from unbroken.checkpoint.staging.staging import fill, process_memory
+from unbroken.checkpoint.staging.rescue import Notes
 from unbroken.checkpoint.state.extras import StateExtras
-from unbroken.checkpoint.state.resolve import ResolveCache, plan_args, resolve_for_save
+from unbroken.checkpoint.state.resolve import ResolveCache
 from unbroken.checkpoint.tiers import tiers
 from unbroken.ledger import NULL, Recorder, owner, phases
 from unbroken.ledger import events as ev
@@ -79,46 +85,76 @@ def open_checkpointers() -> list[Checkpointer]:
     return [c for c in _created if not c._closed]
 
 
-def _world() -> tuple[int, int]:
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
-
-
-def _log_failed(step: int, e: Exception) -> None:
-    logger.warning("snapshot of step %d not kept in memory: %s", step, e)
-
-
 class Checkpointer:
     """Saves and restores a training state under ``directory``; see the module docstring.
 
-    ``fields`` override ``config`` (CheckpointConfig): ``every_steps``, ``keep``, ``mode``,
-    ``on_busy``, ``overlap``, ... Rank and world size come from the default process group.
-    ``run`` names the job that owns the directory (None: the ledger's run; without one, a
-    single process is its own job and the ranks of a group share an unnamed one, whose
-    checkpoints any run may restore). ``ledger`` records every save and load (None: the
-    active ledger of ``unbroken.run``). Without ``config``, the memory keeper and peers that
-    ``unbroken.run`` offers are filled in unless given (``node``). ``hooks`` go to the writer
-    process (``unbroken.checkpoint.persisting.hooks``; None: those ``unbroken.run`` offers, if any).
-    Use as a context manager or call ``close()``.
+    The common settings are keywords; one not given (None) keeps its value in ``config``
+    (``CheckpointConfig``: each field's docstring), where the others are set. Rank and world
+    size come from the default process group. Under ``unbroken.run``, the node's memory keeper
+    and peers fill in ``memory_keeper``, ``peers`` and ``peer_index`` unless given here or set
+    in ``config``. Use as a context manager or call ``close()``.
+
+    Args:
+        directory: Where the checkpoints are, on storage every rank sees.
+        every_steps: ``maybe_save`` saves after every this many completed steps (0: never).
+        keep: Committed checkpoints to keep, the newest ones (at least 1).
+        mode: "async": ``save`` returns once the state is staged; "sync": once committed.
+        on_busy: A save while the previous one persists is dropped ("skip") or waits ("wait").
+        overlap: Copy parameters and optimizer state while the next forward/backward runs.
+        memory_tier: Keep the newest snapshots in memory, to restore from there.
+        snapshot_every: ``maybe_save`` also snapshots to memory after every this many
+            completed steps (0: only at durable saves); needs ``memory_tier``.
+        rescue: With the memory tier, ``note`` the steps not staged (rescued after a fault).
+        memory_keeper: Address of the node agent's memory keeper ("": none).
+        peers: Every node's peer memory service, in node order (empty: no peer tier).
+        peer_index: This node's position in ``peers``.
+        persist_timeout_s: A save not durable this long after it was staged has failed.
+        eager_writer: Start the writer process now (False: at the first save).
+        verify: ``restore`` checks every file's checksum before loading.
+        allow_foreign: ``restore`` may load a checkpoint another run wrote.
+        config: The other settings (None: the defaults).
+        ledger: Records every save and load (None: the active ledger of ``unbroken.run``).
+        hooks: Hooks for the writer process (``unbroken.checkpoint.persisting.hooks``; None: those
+            ``unbroken.run`` offers, if any).
+        run: The job that owns the directory (None: the ledger's run; without one, a single
+            process is its own job and the ranks of a group share an unnamed one, whose
+            checkpoints any run may restore).
+
+    Raises:
+        ValueError: When the settings contradict each other (``CheckpointConfig``), or
+            another running job holds ``directory`` (``unbroken.ledger.owner.DirectoryOwned``).
     """
 
     def __init__(
         self,
         directory: str | os.PathLike[str],
         *,
+        every_steps: int | None = None,
+        keep: int | None = None,
+        mode: Mode | None = None,
+        on_busy: OnBusy | None = None,
+        overlap: bool | None = None,
+        memory_tier: bool | None = None,
+        snapshot_every: int | None = None,
+        rescue: bool | None = None,
+        memory_keeper: str | None = None,
+        peers: Sequence[str] | None = None,
+        peer_index: int | None = None,
+        persist_timeout_s: float | None = None,
+        eager_writer: bool | None = None,
+        verify: bool | None = None,
+        allow_foreign: bool | None = None,
+        config: CheckpointConfig | None = None,
         ledger: Recorder | None = None,
         hooks: WriterHooks | None = None,
-        config: CheckpointConfig | None = None,
         run: str | None = None,
-        **fields: Any,
     ) -> None:
-        if config is None:  # the node's memory keeper and peers, under ``unbroken.run``
-            fields = {**node.current().fields(fields), **fields}
-        given = dataclasses.replace(config or CheckpointConfig(), **fields)
+        settings = {k: v for k, v in locals().items() if k in SETTINGS}  # the keywords above
+        given = merged(config, settings, node.current().fields)
         self.config = overridden(given, node.job().overrides)
         self.root = Path(directory).resolve()
-        self.rank, self.world_size = _world()
+        grouped = dist.is_available() and dist.is_initialized()
+        self.rank, self.world_size = (dist.get_rank(), dist.get_world_size()) if grouped else (0, 1)
         active = active_ledger() if ledger is None else ledger
         self._ledger: Recorder = NULL if active is None else active
         named = getattr(self._ledger, "run", None)
@@ -139,7 +175,7 @@ class Checkpointer:
         )
         self._last_step: int | None = None
         self._cache = ResolveCache()
-        self._notes = rescue.Notes()
+        self._notes = Notes()
         self._extras = StateExtras(self.config)  # the generators; the state for the digest
         self._closed = False
         # Before the writer and the arena exist: nothing of another job's is touched.
@@ -157,7 +193,18 @@ class Checkpointer:
     # --- public API --------------------------------------------------------------------------
     def maybe_save(self, step: int, state: Mapping[str, Any]) -> bool:
         """``save`` when ``step`` is due (after every ``every_steps`` completed steps), else
-        ``snapshot`` when a snapshot is due (``snapshot_every``); True when either staged."""
+        ``snapshot`` when a snapshot is due (``snapshot_every``), else ``note``.
+
+        Args:
+            step: The step just completed (0-based).
+            state: Name -> model, optimizer, Stateful or tensor (as ``save`` takes it).
+
+        Returns:
+            True when a save or snapshot was staged.
+
+        Raises:
+            CheckpointError: When an earlier save failed, or the Checkpointer is closed.
+        """
         adaptive = self._adaptive
         if self.config.due(step) if adaptive is None else adaptive.due(step, self._stats):
             t0 = time.time()
@@ -171,151 +218,60 @@ class Checkpointer:
         return False
 
     def save(self, step: int, state: Mapping[str, Any]) -> bool:
-        """Snapshot ``state`` as the checkpoint of ``step`` (completed, 0-based). Returns False
-        when the save was skipped (with the memory tier it is still snapshotted in memory).
-        Async: returns once staged; sync: once committed."""
+        """Snapshot ``state`` as the checkpoint of ``step``. Async: returns once staged; sync:
+        once committed.
+
+        Args:
+            step: The step just completed (0-based).
+            state: Name -> model, optimizer, Stateful or tensor: what the checkpoint holds.
+
+        Returns:
+            False when the save was skipped (the previous one persists, ``on_busy="skip"``;
+            with the memory tier it is still snapshotted in memory) or ``step`` was just staged.
+
+        Raises:
+            CheckpointError: When an earlier save failed, the Checkpointer is closed, or (sync)
+                this save failed.
+        """
         return self._stage(step, state, durable=True)
 
     def snapshot(self, step: int, state: Mapping[str, Any]) -> bool:
         """Snapshot ``state`` as ``step`` in memory only (the memory tier; nothing persisted):
-        what a restart restores when no newer step is held. Returns False when ``step`` was
-        just staged. Blocks like an async save: only for the copy that cannot overlap."""
+        what a restart restores when no newer step is held. Blocks like an async save: only
+        for the copy that cannot overlap.
+
+        Args:
+            step: The step just completed (0-based).
+            state: As for ``save``.
+
+        Returns:
+            False when ``step`` was just staged.
+
+        Raises:
+            ValueError: Without the memory tier.
+            CheckpointError: When an earlier save failed, or the Checkpointer is closed.
+        """
         if not self.config.memory_tier:
             raise ValueError("snapshot() needs memory_tier=True (a snapshot is held in memory)")
         return self._stage(step, state, durable=False)
 
     def note(self, step: int, state: Mapping[str, Any]) -> bool:
         """Note completed ``step`` without staging it (memory tier): an ``abort`` unwinding
-        from a fault snapshots it from the live state if unchanged (``rescue``)."""
-        if not (self.config.memory_tier and self.config.rescue) or self._closed:
-            return False
-        t0, o, w = time.time(), self.config.overlap, self.world_size
-        state = self._extras.full(state)
-        args = plan_args(state, rank=self.rank, world_size=w, overlap=o, stage_all=True)
-        if not self._notes.take(step, state, self._cache.plan, args):
-            return False  # refused at once (before the first save, a model with buffers)
-        self._blocked(t0, step, "note")
-        return True
+        from a fault snapshots it from the live state if unchanged (``rescue``).
+
+        Args:
+            step: The step just completed (0-based).
+            state: As for ``save``.
+
+        Returns:
+            True when noted; False without the memory tier or ``rescue``, once closed, or
+            when the state cannot be rescued (before the first save, a model with buffers).
+        """
+        return note(self, step, state)
 
     def _stage(self, step: int, state: Mapping[str, Any], *, durable: bool) -> bool:
         with phases.region("save") if durable else contextlib.nullcontext():
-            return self._stage_now(step, state, durable=durable)
-
-    def _stage_now(self, step: int, state: Mapping[str, Any], *, durable: bool) -> bool:
-        t0, state = time.time(), self._extras.full(state)
-        self._check()
-        if step == self._last_step:
-            return False
-        if self.config.overlap:
-            self._staging.hook(state, self.wait_staged)
-        self.wait_staged()
-        waited = 0.0
-        busy = self._inflight.busy()
-        skipped = False
-        if busy and durable:
-            current = self._inflight.current
-            assert current is not None
-            if self.config.mode == "async" and self.config.on_busy == "skip":
-                self._inflight.skip(step, f"the save of step {current.step} is still persisting")
-                if not self.config.memory_tier:
-                    self._stats.blocking_s += time.time() - t0
-                    return False
-                durable, skipped = False, True  # still a snapshot in memory
-            else:
-                with node.waiting():
-                    self._inflight.wait_done()
-                waited = time.time() - t0
-                busy = False
-        writer = self._inflight.start_writer(self._hooks)
-        t1 = time.time()
-        resolved = resolve_for_save(
-            state,
-            rank=self.rank,
-            world_size=self.world_size,
-            overlap=self.config.overlap,
-            cache=self._cache,
-            stage_all=self.config.memory_tier,
-            defer=not durable and self.config.overlap,  # torch.save on the stager thread
-        )
-        staging = self._staging
-        tensors = [i for i in resolved.items if i.tensor is not None]
-        values = [i for i in resolved.items if i.tensor is None]
-        alloc_s = staging.prepare(tensors, sum(i.nbytes for i in values), writer)
-        t2 = time.time()
-        region, _ = staging.begin(pinned=self._persisting_region if busy else None)
-        now_src, now_dst, later_src, later_dst = staging.split(region, tensors)
-        staging.copy_now(now_src, now_dst)
-        self._last_step = step
-        held = staging.snapshot(step, region, world_size=self.world_size)
-        sealing = self.config.memory_tier
-        if durable:
-            msg = {
-                "type": "save",
-                "step": step,
-                "layout_id": staging.layout_id,
-                "base": staging.data_base(region),
-                "payloads": [(i.write_item, i.payload) for i in values],
-                "assigned": resolved.assigned,
-                "planner_data": resolved.planner_data,
-                "run": self.run,
-            }
-            inflight = self._inflight.begin(step)
-            self._persisting_region = region
-            done: Callable[[], None] = functools.partial(self._inflight.send, msg, inflight)
-            failed: Callable[[Exception], None] = functools.partial(
-                self._inflight.staging_failed, inflight
-            )
-        else:
-            done, failed = (lambda: None), functools.partial(_log_failed, step)
-        if later_src or (sealing and self.config.overlap):
-            staging.copy_later(
-                later_src,
-                later_dst,
-                held=held,
-                payloads=values,
-                seal=sealing,
-                done=done,
-                failed=failed,
-            )
-        else:
-            try:
-                fill(held, values)
-                if sealing:
-                    staging.seal_now(held)
-            except ValueError as e:
-                failed(e)
-            else:
-                done()
-        t3 = time.time()
-        nbytes = sum(i.nbytes for i in resolved.items)
-        self._stats.staged_bytes = nbytes
-        if durable:
-            self._stats.saves += 1
-            phases.entered("persist")  # handed to the writer (or on its way to it)
-            if self.config.mode == "sync":
-                self.wait()
-        end = time.time()
-        self._stats.stall_s.append(end - t0)
-        self._stats.blocking_s += end - t0
-        self._ledger.interval(
-            ev.CKPT_STAGE,
-            begin=t0,
-            end=end,
-            step=step,
-            bytes=nbytes,
-            wait_s=waited,
-            resolve_s=t2 - t1 - alloc_s,
-            alloc_s=alloc_s,
-            copy_s=t3 - t2,
-            background_bytes=sum(i.nbytes for i in tensors if i.background),
-            mode=self.config.mode,
-            durable=durable,
-            region=region,
-            staging_bytes=staging.size,
-            queue_depth=1 if busy else 0,
-            **(process_memory() if durable else {}),  # /proc: 0.1 ms, once per durable save
-        )
-        return not skipped
+            return stage(self, step, state, durable=durable)
 
     def wait_staged(self) -> None:
         """Block until the in-flight snapshot is fully copied (only ever waits with
@@ -331,7 +287,11 @@ class Checkpointer:
 
     def wait(self) -> None:
         """Block until the in-flight save is committed (on every rank: rank 0 commits, the
-        others watch for the commit). Raises CheckpointError when it failed."""
+        others watch for the commit).
+
+        Raises:
+            CheckpointError: When it failed, or the Checkpointer is closed.
+        """
         self._check()
         self.wait_staged()
         inflight = self._inflight.current
@@ -345,7 +305,11 @@ class Checkpointer:
 
     def close(self) -> None:
         """Wait for the in-flight save to be committed, then stop the writer. Idempotent.
-        Interrupted while waiting (a restart interrupt, Ctrl-C): ``abort`` instead."""
+        Interrupted while waiting (a restart interrupt, Ctrl-C): ``abort`` instead.
+
+        Raises:
+            CheckpointError: When the last save failed (the writer is stopped all the same).
+        """
         if self._closed:
             return
         named = "shutdown" in phases.active()
@@ -370,10 +334,23 @@ class Checkpointer:
             raise CheckpointError(fatal)
 
     def restore(self, state: Mapping[str, Any]) -> int | None:
-        """Load the newest committed checkpoint that passes its checks into ``state``;
-        returns its step, or None when there is none. Collective with a process group: call
-        it on every rank, at start (it also clears the leftovers of interrupted saves). The
-        ledger's next step interval starts when it returns (a restore is no part of a step)."""
+        """Load the newest committed checkpoint that passes its checks into ``state``.
+
+        Collective with a process group: call it on every rank, at start (it also clears the
+        leftovers of interrupted saves). The ledger's next step interval starts when it
+        returns (a restore is no part of a step).
+
+        Args:
+            state: As for ``save``; loaded in place.
+
+        Returns:
+            The restored step, or None when there is no checkpoint.
+
+        Raises:
+            CheckpointError: When the Checkpointer is closed, the storage fails while
+                checking, or the newest sound checkpoint does not fit ``state`` (another model)
+                or another run wrote it (without ``allow_foreign``).
+        """
         if self._closed:
             raise CheckpointError("restore() on a closed Checkpointer")
         with phases.region("restore"):
@@ -410,13 +387,27 @@ class Checkpointer:
         return step
 
     def resume(self, state: Mapping[str, Any]) -> int:
-        """``restore(state)``, then the step to continue from: 0 when there was no checkpoint,
-        else the restored step + 1 (``for step in range(ckpt.resume(state), steps)``)."""
+        """``restore(state)``, then the step to continue from
+        (``for step in range(ckpt.resume(state), steps)``).
+
+        Args:
+            state: As for ``restore``.
+
+        Returns:
+            0 when there was no checkpoint, else the restored step + 1.
+
+        Raises:
+            CheckpointError: As ``restore``.
+        """
         step = self.restore(state)
         return 0 if step is None else step + 1
 
     def latest(self) -> int | None:
-        """The newest committed step (its files are not checked), or None."""
+        """The newest committed step on disk.
+
+        Returns:
+            Its step (its files are not checked), or None when there is none.
+        """
         return next(iter(layout.committed_steps(self.root)), None)
 
     @property
@@ -425,7 +416,11 @@ class Checkpointer:
         return self._inflight.last_committed
 
     def stats(self) -> CheckpointStats:
-        """A copy of this Checkpointer's counters."""
+        """This Checkpointer's counters.
+
+        Returns:
+            A copy that later saves do not change.
+        """
         return self._stats.copy()
 
     @property

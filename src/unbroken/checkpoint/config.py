@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal, get_args
 
@@ -46,8 +47,8 @@ class CheckpointConfig:
     on_busy: OnBusy = "skip"
     """When a save comes while the previous one still persists: "skip" drops the new save
     (recorded as ``ckpt_skip``); "wait" blocks until the previous one is done (recorded as
-    blocking time). Default "skip": blocking the trainer on storage is what made the published
-    async checkpoints fall to 29.6% efficiency when a write took as long as the interval."""
+    blocking time). Default "skip": blocking the trainer on storage is what collapses the
+    efficiency of the published async checkpoints once a write takes as long as the interval."""
     overlap: bool = False
     """Copy parameters and optimizer state on a background thread while the next
     forward/backward runs. Every optimizer in the state gets a step pre-hook that waits for the
@@ -82,7 +83,7 @@ class CheckpointConfig:
     completed steps, between durable saves; 0: only at durable saves. Needs ``memory_tier``."""
     rescue: bool = True
     """With the memory tier, ``maybe_save`` notes every step it neither saves nor snapshots
-    (~0.6 ms for the reference script, recorded as a ``ckpt_stage`` of ``part`` "note"), so
+    (a cheap copy of the non-tensor state, recorded as a ``ckpt_stage`` of ``part`` "note"), so
     that a fault the worker unwinds from snapshots the noted step from the live state
     (``unbroken.checkpoint.staging.rescue``); False: no notes, a soft fault restores the last snapshot."""
     memory_slots: int = 3
@@ -184,18 +185,86 @@ class CheckpointConfig:
             raise ValueError(f"throttle_mbps must be >= 0 (0: no cap), got {self.throttle_mbps}")
 
     def due(self, step: int) -> bool:
-        """True when ``maybe_save`` saves after ``step`` (0-based): after every ``every_steps``
-        completed steps, i.e. steps every_steps-1, 2*every_steps-1, ..."""
+        """Whether ``maybe_save`` saves after ``step``: after every ``every_steps`` completed
+        steps, i.e. steps every_steps-1, 2*every_steps-1, ...
+
+        Args:
+            step: The step just completed (0-based).
+
+        Returns:
+            True when a durable save is due.
+        """
         return self.every_steps > 0 and (step + 1) % self.every_steps == 0
 
     def snapshot_due(self, step: int) -> bool:
-        """True when ``maybe_save`` snapshots ``step`` to memory (not a durable save)."""
+        """Whether ``maybe_save`` snapshots ``step`` to memory (not a durable save).
+
+        Args:
+            step: The step just completed (0-based).
+
+        Returns:
+            True when a memory snapshot is due.
+        """
         return self.snapshot_every > 0 and (step + 1) % self.snapshot_every == 0
 
     @property
     def regions(self) -> int:
         """Regions of the staging arena: ``memory_slots``, or 1 without the memory tier."""
         return self.memory_slots if self.memory_tier else 1
+
+
+SETTINGS = (
+    "every_steps",
+    "keep",
+    "mode",
+    "on_busy",
+    "overlap",
+    "memory_tier",
+    "snapshot_every",
+    "rescue",
+    "memory_keeper",
+    "peers",
+    "peer_index",
+    "persist_timeout_s",
+    "eager_writer",
+    "verify",
+    "allow_foreign",
+)
+"""The fields a ``Checkpointer`` takes as keywords, the ones a training script sets; the
+others are set through its ``config``."""
+
+NODE_FIELDS = ("memory_keeper", "peers", "peer_index")
+"""The fields what the node offers (``node.NodeTiers``) may fill in."""
+
+
+def merged(
+    config: CheckpointConfig | None,
+    settings: Mapping[str, Any],
+    offered: Callable[[Mapping[str, Any]], Mapping[str, Any]],
+) -> CheckpointConfig:
+    """The configuration a ``Checkpointer`` runs with, before the environment's overrides.
+
+    Args:
+        config: The base configuration (None: the defaults).
+        settings: The Checkpointer's keywords; None means not given (the base's value stands).
+        offered: What the node offers for the fields not given (``node.NodeTiers.fields``):
+            it is told the names given as keywords or set in ``config`` (the node's fields
+            that differ from their defaults), and fills in only the others.
+
+    Returns:
+        ``config`` with the offered fields, then the given keywords, over it.
+
+    Raises:
+        ValueError: When the result is not a valid configuration (``CheckpointConfig``).
+    """
+    base = config or CheckpointConfig()
+    given = {k: v for k, v in settings.items() if v is not None}
+    if "peers" in given:
+        given["peers"] = tuple(given["peers"])
+    default = CheckpointConfig()
+    chosen = {f for f in NODE_FIELDS if getattr(base, f) != getattr(default, f)}
+    fixed = dict.fromkeys(chosen | given.keys())
+    return dataclasses.replace(base, **{**offered(fixed), **given})
 
 
 def overridden(config: CheckpointConfig, overrides: Overrides) -> CheckpointConfig:

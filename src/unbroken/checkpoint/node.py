@@ -4,8 +4,8 @@
 multi-node job, every node's peer memory service (``unbroken.env.WorkerEnv``). ``unbroken.run``
 provides them here (``provide``) while the training function runs, so that a user's own
 ``Checkpointer(dir, every_steps=...)`` gets the memory tiers that survive its process and its
-node without naming them, as it gets the active ledger. A Checkpointer built with an explicit
-``config`` gets exactly that config; fields passed as keywords win over what the node offers.
+node without naming them, as it gets the active ledger. Those fields given as keywords, or set
+in its ``config`` (other than their defaults), win over what the node offers (``config.merged``).
 Outside ``unbroken.run`` (or under another launcher) the node offers nothing. One per process;
 set from the main thread. ``unbroken.run`` also offers what it knows of the job (``JobOffer``:
 the environment's overrides, which it reads, and whether the process was relaunched).

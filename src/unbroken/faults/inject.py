@@ -43,8 +43,15 @@ class InjectedFault(RuntimeError):
 
 
 def fired_faults(run_dir: str | os.PathLike[str]) -> list[dict[str, Any]]:
-    """The claim records of the faults fired in this run (index, step, rank, kind, ts, pid),
-    by index; for whoever watches a run from outside (an orchestrator relaunching a node)."""
+    """The faults fired in a run, for whoever watches it from outside (an orchestrator
+    relaunching a node).
+
+    Args:
+        run_dir: The run directory.
+
+    Returns:
+        Their claim records (index, step, rank, kind, ts, pid), by index.
+    """
     out = []
     for p in (Path(run_dir) / "faults" / "fired").glob("*.json"):
         try:
@@ -57,10 +64,18 @@ def fired_faults(run_dir: str | os.PathLike[str]) -> list[dict[str, Any]]:
 class FaultInjector:
     """Fires the faults of ``plan`` that target ``rank``.
 
-    ``ckpt_dir`` is the checkpoint directory the storage faults act on (default
-    ``<run_dir>/ckpt``); ``agent_pid`` the launcher agent a ``node-loss`` kills with its tree
-    (unbroken-run hands it to workers as ``UNBROKEN_AGENT_PID``; None: this process's parent
-    when it is a recognisable launcher, else only this process).
+    Args:
+        plan: The fault plan.
+        run_dir: The run directory: where the fired faults are claimed (once per run).
+        rank: This process's rank.
+        sink: Records each fault injected (the ledger).
+        ckpt_dir: The checkpoint directory the storage faults act on (default
+            ``<run_dir>/ckpt``).
+        agent_pid: The launcher agent a ``node-loss`` kills with its tree (unbroken-run hands
+            it to workers as ``UNBROKEN_AGENT_PID``; None: this process's parent when it is a
+            recognisable launcher, else only this process).
+        corruption_settle_s: How long a checkpoint-corruption waits for saves in flight to
+            commit first.
     """
 
     def __init__(
@@ -90,32 +105,61 @@ class FaultInjector:
 
     def hooks_for(self, root: Path) -> throttle.SlowStorage | None:
         """A Checkpointer under ``root`` was made: the storage faults act on its directory
-        from now on; returns the writer hooks it needs (``writer_hooks``)."""
+        from now on.
+
+        Args:
+            root: The new Checkpointer's directory.
+
+        Returns:
+            The writer hooks it needs (``writer_hooks``).
+        """
         self.ckpt_dir = Path(root)
         return self.writer_hooks()
 
     def writer_hooks(self) -> throttle.SlowStorage | None:
-        """The checkpoint writer hooks this plan needs (``Checkpointer(hooks=...)``): the
-        slow-storage ones when the plan holds a slow-storage fault (it may target any rank),
-        else None."""
+        """The checkpoint writer hooks this plan needs (``Checkpointer(hooks=...)``).
+
+        Returns:
+            The slow-storage ones when the plan holds a slow-storage fault (it may target any
+                rank), else None.
+        """
         if any(f.kind == "slow-storage" for f in self.plan.faults):
             return throttle.SlowStorage()
         return None
 
     def fired(self) -> list[int]:
-        """Indices of the faults already fired in this run (by any process)."""
+        """The faults already fired in this run (by any process).
+
+        Returns:
+            Their indices in the plan, sorted.
+        """
         return sorted(int(p.stem) for p in self.fired_dir.glob("*.json"))
 
     def on_step(self, step: int) -> None:
-        """Call after ``step`` completes. May raise, hang, or end the process."""
+        """Call after a step completes: fires the faults due. May raise, hang, or end the
+        process.
+
+        Args:
+            step: The step just completed.
+
+        Raises:
+            InjectedFault: When an ``exception`` fault fires.
+        """
         self.last_step = step
         for spec in self.plan.at(step, self.rank):
             if self._claim(spec):
                 self._fire(spec)
 
     def on_phase(self, name: str) -> None:
-        """Call on entry into phase ``name`` (a ``phases`` listener). May raise, hang, or end
-        the process; a dictionary lookup when no fault targets the phase."""
+        """Call on entry into a named phase (a ``phases`` listener): fires the faults due. May
+        raise, hang, or end the process; a dictionary lookup when no fault targets the phase.
+
+        Args:
+            name: The phase entered.
+
+        Raises:
+            InjectedFault: When an ``exception`` fault fires.
+        """
         specs = self._phased.get(name)
         if not specs:
             return

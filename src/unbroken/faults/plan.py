@@ -192,7 +192,11 @@ class FaultSpec:
         return self.kind not in NON_DISRUPTIVE
 
     def settings(self) -> dict[str, Any]:
-        """The parameters with their defaults filled in (kinds in PARAMS), else ``params``."""
+        """The fault's parameters.
+
+        Returns:
+            The parameters with their defaults filled in (kinds in PARAMS), else ``params``.
+        """
         if self.kind not in PARAMS:
             return dict(self.params)
         out = {
@@ -210,7 +214,11 @@ class FaultSpec:
         return out
 
     def targets(self) -> list[int] | None:
-        """Every rank the fault acts on (None: every rank of the world)."""
+        """The ranks the fault acts on.
+
+        Returns:
+            Every rank it acts on, sorted (None: every rank of the world).
+        """
         if self.kind == "slow-storage":
             ranks = self.settings()["ranks"]
             return None if ranks == "all" else sorted(set(ranks))
@@ -220,14 +228,22 @@ class FaultSpec:
         return [self.rank]
 
     def describe(self) -> str:
+        """The fault in words, for messages.
+
+        Returns:
+            Its index, when it fires, its rank, kind and parameters.
+        """
         extra = "".join(
             f" {k}={v}" for k, v in sorted(self.params.items(), key=lambda kv: str(kv[0]))
         )
         return f"#{self.index}: {self.when()}, rank {self.rank}: {self.kind}{extra}"
 
     def when(self) -> str:
-        """When it fires, in words: "step 12", "phase data after step 12", "phase restore
-        #2", "phase init"."""
+        """When it fires, in words.
+
+        Returns:
+            "step 12", "phase data after step 12", "phase restore #2" or "phase init".
+        """
         if self.phase is None:
             return f"step {self.step}"
         if self.occurrence is not None:
@@ -237,7 +253,11 @@ class FaultSpec:
         return f"phase {self.phase}"
 
     def to_entry(self) -> dict[str, Any]:
-        """The plan entry this fault was read from (a plan of these reads back the same)."""
+        """The fault as a plan entry.
+
+        Returns:
+            The entry it was read from (a plan of these reads back the same).
+        """
         out: dict[str, Any] = {"rank": self.rank, "kind": self.kind}
         if self.step is not None:
             out["step"] = self.step
@@ -253,13 +273,29 @@ class FaultPlan:
     """An ordered list of faults (by step, then rank, then plan order)."""
 
     faults: tuple[FaultSpec, ...] = ()
+    """The faults, in that order."""
 
     def at(self, step: int, rank: int) -> list[FaultSpec]:
-        """Faults planned for ``rank`` after ``step`` (not the phase-targeted ones)."""
+        """The faults that fire after a step.
+
+        Args:
+            step: The step just completed.
+            rank: The rank that completed it.
+
+        Returns:
+            The faults planned for ``rank`` after ``step`` (not the phase-targeted ones).
+        """
         return [f for f in self.faults if f.step == step and f.rank == rank and f.phase is None]
 
     def in_phase(self, rank: int) -> dict[str, list[FaultSpec]]:
-        """The phase-targeted faults of ``rank``, by phase."""
+        """The faults that fire on entry to a named phase.
+
+        Args:
+            rank: The rank they target.
+
+        Returns:
+            Phase name -> the phase-targeted faults of ``rank``.
+        """
         out: dict[str, list[FaultSpec]] = {}
         for f in self.faults:
             if f.phase is not None and f.rank == rank:
@@ -267,7 +303,14 @@ class FaultPlan:
         return out
 
     def check_world(self, world_size: int) -> None:
-        """Raise ValueError if a fault targets a rank outside the world."""
+        """Check that every rank the faults target exists.
+
+        Args:
+            world_size: Ranks in the job.
+
+        Raises:
+            ValueError: When a fault targets a rank outside the world.
+        """
         for f in self.faults:
             for rank in [f.rank, *(f.targets() or [])]:
                 if rank >= world_size:
@@ -340,7 +383,21 @@ def _expand_random(spec: Any, *, source: str, world_size: int | None) -> list[di
 
 
 def parse_plan(obj: Any, *, source: str = "plan", world_size: int | None = None) -> FaultPlan:
-    """Build a plan from parsed YAML; raises ValueError naming the bad entry."""
+    """Build a plan from parsed YAML.
+
+    Args:
+        obj: The parsed YAML: a mapping with a ``faults`` list and/or a ``random`` schedule
+            (None: an empty plan).
+        source: Names the plan in error messages.
+        world_size: Ranks in the job, which a random schedule without ``ranks`` draws from
+            (None: unknown).
+
+    Returns:
+        The plan.
+
+    Raises:
+        ValueError: Naming the bad entry.
+    """
     if obj is None:
         return FaultPlan()
     if not isinstance(obj, Mapping) or not ({"faults", "random"} & set(obj)):
@@ -395,7 +452,19 @@ def parse_plan(obj: Any, *, source: str = "plan", world_size: int | None = None)
 
 
 def load_plan(path: str | Path, *, world_size: int | None = None) -> FaultPlan:
-    """Read a YAML plan; raises ValueError (bad content) or FileNotFoundError."""
+    """Read a YAML plan.
+
+    Args:
+        path: The plan file.
+        world_size: As for ``parse_plan``.
+
+    Returns:
+        The plan.
+
+    Raises:
+        FileNotFoundError: When there is no such file.
+        ValueError: When it is not valid YAML or not a valid plan.
+    """
     p = Path(path)
     if not p.is_file():
         raise FileNotFoundError(f"fault plan {p} does not exist")

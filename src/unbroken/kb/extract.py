@@ -70,7 +70,18 @@ def _read_json(path: Path) -> dict[str, Any]:
 
 
 def extract(run_dir: str | Path) -> RunRecord:
-    """The record of one run; FileNotFoundError / ValueError say what is missing."""
+    """Read one run directory into the record the knowledge base stores.
+
+    Args:
+        run_dir: The run directory.
+
+    Returns:
+        The run's record.
+
+    Raises:
+        FileNotFoundError: When ``run_dir`` is not a directory.
+        ValueError: When its ledger has no records yet.
+    """
     path = Path(run_dir).resolve()
     if not path.is_dir():
         raise FileNotFoundError(f"{run_dir} is not a directory: pass a job's --run-dir")

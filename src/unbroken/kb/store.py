@@ -53,6 +53,11 @@ create virtual table if not exists runs_fts using fts5(name, config, faults, res
 
 
 def default_path() -> Path:
+    """Where the knowledge base is when no path is given.
+
+    Returns:
+        ``UNBROKEN_KB``, else ``runs/kb.sqlite`` (relative to the working directory).
+    """
     return Path(uenv.lookup(ENV_VAR) or DEFAULT_PATH)
 
 
@@ -61,12 +66,19 @@ class Hit:
     """One search result."""
 
     id: int
+    """The run's id in the knowledge base."""
     name: str
+    """The run directory's name."""
     path: str
+    """Absolute path of the run directory."""
     status: str
+    """ok, failed or running."""
     training_goodput: float | None
+    """The run's training goodput (None: not computed)."""
     faults: int
+    """Faults in its trace."""
     snippet: str
+    """The matching text, matches in brackets."""
 
 
 def _text(d: dict[str, Any]) -> str:
@@ -87,7 +99,17 @@ def _quoted(query: str) -> str:
 
 
 class KnowledgeBase:
-    """A connection to the knowledge base file; use as a context manager or call ``close()``."""
+    """A connection to the knowledge base file; use as a context manager or call ``close()``.
+
+    Args:
+        path: The SQLite file (None: ``default_path()``).
+        create: Create it when missing (False: a missing file is an error).
+
+    Raises:
+        FileNotFoundError: When ``path`` is missing and not ``create``.
+        ValueError: When ``path`` is not a knowledge base.
+        RuntimeError: When this Python's sqlite3 has no FTS5.
+    """
 
     def __init__(self, path: str | Path | None = None, *, create: bool = True) -> None:
         self.path = Path(path) if path is not None else default_path()
@@ -117,6 +139,7 @@ class KnowledgeBase:
         self.close()
 
     def close(self) -> None:
+        """Close the connection."""
         self.db.close()
 
     @contextmanager
@@ -125,7 +148,18 @@ class KnowledgeBase:
             yield self.db
 
     def ingest(self, run_dir: str | Path) -> RunRecord:
-        """Extract and store one run (replacing an earlier ingest of the same directory)."""
+        """Extract and store one run (replacing an earlier ingest of the same directory).
+
+        Args:
+            run_dir: The run directory.
+
+        Returns:
+            What was stored.
+
+        Raises:
+            FileNotFoundError: As ``extract``.
+            ValueError: As ``extract``.
+        """
         rec = extract(run_dir)
         res = rec.results
         with self._tx() as db:
@@ -185,7 +219,18 @@ class KnowledgeBase:
         return rec
 
     def search(self, query: str, *, limit: int = 20) -> list[Hit]:
-        """Runs matching an FTS5 query, best first."""
+        """Search the runs.
+
+        Args:
+            query: An FTS5 query (not one: its words, each quoted).
+            limit: At most this many hits.
+
+        Returns:
+            The runs matching, best first.
+
+        Raises:
+            ValueError: For an empty query.
+        """
         if not query.strip():
             raise ValueError("empty search: give words to look for, e.g. 'sigkill launcher'")
         sql = (
@@ -201,14 +246,29 @@ class KnowledgeBase:
         return [Hit(*row) for row in rows]
 
     def runs(self) -> list[dict[str, Any]]:
-        """Every run, newest first: id, name, path, status, figures."""
+        """Every run stored.
+
+        Returns:
+            Newest first: id, name, path, status, started_ts, training_goodput, infra_goodput
+                and faults of each.
+        """
         cols = "id, name, path, status, started_ts, training_goodput, infra_goodput, faults"
         rows = self.db.execute(f"select {cols} from runs order by started_ts desc").fetchall()
         keys = [c.strip() for c in cols.split(",")]
         return [dict(zip(keys, r, strict=True)) for r in rows]
 
     def get(self, ref: str) -> RunRecord:
-        """A run by id, path or name (the newest of that name); LookupError if none."""
+        """One stored run.
+
+        Args:
+            ref: Its id, path or name (the newest of that name).
+
+        Returns:
+            Its record.
+
+        Raises:
+            LookupError: When none matches.
+        """
         row = None
         if ref.isdigit():
             row = self.db.execute("select record from runs where id = ?", (int(ref),)).fetchone()

@@ -127,10 +127,14 @@ def heartbeat(
 ) -> None:
     """Tell the node agent this worker is alive (and at ``step``); cheap, never raises.
 
-    Call after a training step completes; ``committed_step`` is the newest step whose
-    checkpoint is durable, if any. Call with ``finishing=True`` once the last step is done:
-    the wait for the final checkpoint and the exit then get the initial timeout, not the
-    steady one (which is sized for steps).
+    Call after a training step completes. Without an agent (not under ``unbroken-run``) it
+    does nothing.
+
+    Args:
+        step: The step just completed (None: alive, no step).
+        committed_step: The newest step whose checkpoint is durable, if any.
+        finishing: The last step is done: the wait for the final checkpoint and the exit then
+            get the initial timeout, not the steady one (which is sized for steps).
     """
     client = _get()
     if client is not None:

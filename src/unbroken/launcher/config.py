@@ -22,10 +22,10 @@ from typing import Any
 import yaml
 
 # What the warm pool imports before it forks a worker: torch, its distributed package, the
-# lazily imported torch._dynamo that the first DDP()/fully_shard() otherwise pays (~1 s on CPU),
-# DCP (state dicts and checkpoints of FSDP2 jobs) and elastic's @record, FSDP; and unbroken's
-# own worker-side packages (side-effect-free imports, ~0.15-0.4 s of a restarted worker's
-# start-up otherwise: the reference script's imports fall from 0.14 s to 0.015 s here).
+# lazily imported torch._dynamo that the first DDP()/fully_shard() otherwise pays (about a
+# second on CPU), DCP (state dicts and checkpoints of FSDP2 jobs) and elastic's @record, FSDP;
+# and unbroken's own worker-side packages (side-effect-free imports, otherwise a good part of a
+# restarted worker's start-up).
 DEFAULT_PRELOAD = (
     "torch",
     "torch.distributed",

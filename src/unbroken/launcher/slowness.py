@@ -32,9 +32,10 @@ from typing import Protocol
 
 BUSY_CORES = 0.3
 """Time a silent worker's threads ran or waited for a CPU (run queue), per second, above which it
-is computing. A hung worker sleeps or waits: 0.00-0.04 here (its heartbeat and monitor
-threads); a computing one is runnable all the time, ~1.0 however busy the machine (with four
-CPU hogs on 2 cores it ran 0.4 and waited 0.6), where its CPU time alone fell to 0.24."""
+is computing. A hung worker sleeps or waits: near 0 (only its heartbeat and monitor threads
+run); a computing one is runnable all the time, near 1 however busy the machine (on an
+oversubscribed one it waits for a CPU much of that time), where its CPU time alone falls far
+below 1."""
 BUSY_LIMIT = 4.0
 """Timeouts of silence a computing worker is given at most."""
 SENDING_BYTES_S = 4096.0

@@ -16,9 +16,9 @@ stays single-threaded and holds no state about workers. The zygote dies with the
 Standbys: once a node's workers run and the pool has been idle for ``STANDBY_DELAY_S``, it
 forks as many *standby* workers as the last request had: double-forked like the others (so the
 agent's children), they wait on a socket for their request. A restart hands each worker's request
-to a standby, which runs at once: the forks and the intermediates' exits (~50 ms for 2 workers,
-~0.4 s for 8 here) leave the restart's path. A standby whose socket is closed (it died) is skipped
-and its worker forked as before; standbys exit when the pool does (EOF on their socket) or with
+to a standby, which runs at once: the forks and the intermediates' exits (growing with the workers
+per node) leave the restart's path. A standby whose socket is closed (it died) is skipped
+and its worker forked as without standbys; standbys exit when the pool does (EOF on their socket) or with
 the agent (PR_SET_PDEATHSIG), and the agent reaps them as the orphans they are.
 
 ``Zygote`` is the agent's handle on it.
@@ -172,7 +172,7 @@ def serve(sock: socket.socket) -> dict[str, Any] | None:
     read, and the intermediates are reaped after the reply. A worker runs once its intermediate
     has exited (``bootstrap`` waits to be the agent's child), so waiting for one intermediate
     before forking the next would add a whole exit (the teardown of a process the zygote's size)
-    per worker: 8 workers took 0.65 s to start on a 2-core machine. Standbys (see above) are
+    per worker. Standbys (see above) are
     forked while the pool is idle and used first."""
     standbys: list[tuple[int, int]] = []  # (pid, request socket)
     want = 0

@@ -117,6 +117,7 @@ class Event:
 
     @property
     def dur_s(self) -> float | None:
+        """Length of the interval for interval records (``data["dur_s"]``), else None."""
         d = self.data.get("dur_s")
         return None if d is None else float(d)
 
@@ -127,9 +128,23 @@ class Event:
         return self.ts - d if d is not None else self.ts
 
     def get(self, key: str, default: Any = None) -> Any:
+        """One kind-specific field.
+
+        Args:
+            key: The field's name.
+            default: What a record without it gives.
+
+        Returns:
+            ``data[key]``, or ``default``.
+        """
         return self.data.get(key, default)
 
     def to_dict(self) -> dict[str, Any]:
+        """The record as the ledger file holds it.
+
+        Returns:
+            The common fields and the kind-specific ones, flat.
+        """
         out: dict[str, Any] = {
             "ts": self.ts,
             "run": self.run,
@@ -142,10 +157,27 @@ class Event:
         return out
 
     def to_json(self) -> str:
+        """The record as one line of the ledger file.
+
+        Returns:
+            ``to_dict()`` as compact JSON (values JSON cannot hold as their ``str``).
+        """
         return json.dumps(self.to_dict(), separators=(",", ":"), default=str)
 
     @classmethod
     def from_dict(cls, obj: dict[str, Any]) -> Event:
+        """Read a record back from its ``to_dict()`` form.
+
+        Args:
+            obj: The record.
+
+        Returns:
+            The event.
+
+        Raises:
+            ValueError: When ``obj`` is not a mapping, or not a known kind.
+            KeyError: When it lacks ``kind`` or ``ts``.
+        """
         if not isinstance(obj, dict):
             raise ValueError(f"a ledger record is a JSON object, got {type(obj).__name__}")
         data = {k: v for k, v in obj.items() if k not in _COMMON}
@@ -161,4 +193,16 @@ class Event:
 
     @classmethod
     def from_json(cls, line: str) -> Event:
+        """Read a record back from one line of a ledger file.
+
+        Args:
+            line: The line.
+
+        Returns:
+            The event.
+
+        Raises:
+            ValueError: When it is not JSON, or not a record (as ``from_dict``).
+            KeyError: As ``from_dict``.
+        """
         return cls.from_dict(json.loads(line))

@@ -82,11 +82,23 @@ class FaultRecord:
     """Their time beyond as many undegraded steps (``degraded``); None without a window."""
 
     def to_dict(self) -> dict[str, Any]:
+        """The record as plain data (``unbroken report --json``).
+
+        Returns:
+            Field name -> value.
+        """
         return asdict(self)
 
     @classmethod
     def from_dict(cls, obj: Mapping[str, Any]) -> FaultRecord:
-        """The record ``to_dict`` gave (keys it does not know are ignored)."""
+        """Read a record back.
+
+        Args:
+            obj: What ``to_dict`` gave (keys it does not know are ignored).
+
+        Returns:
+            The record.
+        """
         names = {f.name for f in fields(cls)}
         return cls(**{k: v for k, v in obj.items() if k in names})
 

@@ -320,10 +320,21 @@ def _partition(
 def compute(
     events: Sequence[Event], *, reference_rank: int = 0, digest: StepDigest | None = None
 ) -> RunReport:
-    """The goodput report of one run's events (any order); raises ValueError if empty.
+    """The goodput report of one run's events.
 
-    ``digest``: other ranks' step records folded by ``read_run(fold_steps_except=...)``
-    (with the same reference rank); the figures are those of the unfolded events."""
+    Args:
+        events: The run's records, in any order.
+        reference_rank: The rank whose ``step``, ``phase``, ``ckpt_stage`` and ``ckpt_load``
+            records make the run's timeline (see the module docstring).
+        digest: Other ranks' step records folded by ``read_run(fold_steps_except=...)`` (with
+            the same reference rank); the figures are those of the unfolded events.
+
+    Returns:
+        The report.
+
+    Raises:
+        ValueError: When there are no events.
+    """
     events = [e for e in events if e.kind != ALERT]
     folded = digest if digest is not None and digest.count else None
     if not events and folded is None:

@@ -3,8 +3,8 @@
 ``read_run(run_dir, fold_steps_except=R)`` keeps only rank R's step records as events and
 folds every other rank's into a ``StepDigest`` (16 bytes a step instead of an ``Event``, 24
 with ``busy_s``): what ``goodput.compute`` reads of them (their spans and busy figures, run
-ids, attempts, iterations), so a report of 1024 ranks x 10k steps fits in a few hundred MB.
-Same figures, exactly.
+ids, attempts, iterations), so a report of 1024 ranks x 10k steps fits in memory
+(``unbroken bench scale`` measures it). Same figures, exactly.
 """
 
 from __future__ import annotations
@@ -136,10 +136,19 @@ class ReadResult:
 
 
 def read_run(run_dir: str | Path, *, fold_steps_except: int | None = None) -> ReadResult:
-    """Merge ``<run_dir>/events/*.jsonl``; raises FileNotFoundError if there is no ledger.
+    """Merge a run's ledger files, ``<run_dir>/events/*.jsonl``.
 
-    With ``fold_steps_except=R``, step records of ranks other than R go to ``digest``
-    (pass it to ``goodput.compute``) instead of ``events``."""
+    Args:
+        run_dir: The run directory.
+        fold_steps_except: With a rank R, step records of ranks other than R go to ``digest``
+            (pass it to ``goodput.compute``) instead of ``events`` (None: none).
+
+    Returns:
+        The events sorted by time, and what was skipped (torn or malformed records).
+
+    Raises:
+        FileNotFoundError: When there is no ledger.
+    """
     events_dir = Path(run_dir) / "events"
     if not events_dir.is_dir():
         raise FileNotFoundError(
@@ -178,5 +187,15 @@ def read_run(run_dir: str | Path, *, fold_steps_except: int | None = None) -> Re
 
 
 def read_events(run_dir: str | Path) -> list[Event]:
-    """The run's events sorted by time (see ``read_run`` for the details of what was skipped)."""
+    """A run's events (see ``read_run`` for the details of what was skipped).
+
+    Args:
+        run_dir: The run directory.
+
+    Returns:
+        Its events, sorted by time.
+
+    Raises:
+        FileNotFoundError: When there is no ledger.
+    """
     return read_run(run_dir).events

@@ -25,38 +25,88 @@ class Recorder(Protocol):
     """The run id stamped on every record ("" when unknown)."""
 
     def emit(self, kind: str, *, ts: float | None = None, **data: Any) -> object:
-        """Record one event of ``kind`` at ``ts`` (default: now) with ``data``."""
+        """Record one event.
+
+        Args:
+            kind: One of ``unbroken.ledger.events.KINDS``.
+            ts: When it happened, epoch seconds (None: now).
+            **data: Its kind-specific fields.
+
+        Returns:
+            The record (``Event``), or None where nothing is recorded.
+        """
         ...
 
     def interval(self, kind: str, *, begin: float, end: float | None = None, **data: Any) -> None:
-        """Record an interval ``[begin, end]`` (end defaults to now)."""
+        """Record an interval ``[begin, end]``.
+
+        Args:
+            kind: One of ``unbroken.ledger.events.KINDS``.
+            begin: Its start, epoch seconds.
+            end: Its end (None: now).
+            **data: Its kind-specific fields.
+        """
         ...
 
     def step(self, step: int, **data: Any) -> None:
-        """Record a completed training step; its interval starts at the last boundary."""
+        """Record a completed training step; its interval starts at the last boundary.
+
+        Args:
+            step: The step completed.
+            **data: More fields of its record (``loss=...``).
+        """
         ...
 
     def mark(self, ts: float | None = None) -> None:
-        """Set the step boundary: the next ``step`` record's interval starts here."""
+        """Set the step boundary: the next ``step`` record's interval starts here.
+
+        Args:
+            ts: The boundary, epoch seconds (None: now).
+        """
         ...
 
     def phase(self, name: str, **data: Any) -> AbstractContextManager[None]:
-        """Record the enclosed block as phase ``name``; moves the step boundary to its end."""
+        """Record the enclosed block as a phase; moves the step boundary to its end.
+
+        Args:
+            name: The phase's name (``unbroken.ledger.events.PHASES``, or a user's).
+            **data: More fields of its record.
+
+        Returns:
+            A context manager around the block.
+        """
         ...
 
     def set_context(
         self, *, rank: int | None = None, attempt: int | None = None, iteration: int | None = None
     ) -> None:
-        """Change the rank, launcher attempt or in-process iteration stamped on later records."""
+        """Change what is stamped on later records; None leaves a field as it is.
+
+        Args:
+            rank: The global rank.
+            attempt: The launcher attempt.
+            iteration: The in-process iteration.
+        """
         ...
 
     def flush(self, timeout_s: float = 5.0) -> bool:
-        """Wait until every record emitted so far is written; False on timeout."""
+        """Wait until every record emitted so far is written.
+
+        Args:
+            timeout_s: How long at most.
+
+        Returns:
+            False on timeout.
+        """
         ...
 
 
-class NullRecorder:
-    """A ``Recorder`` that records nothing (no run directory). Subclass it for test fakes."""
+class NullRecorder(Recorder):
+    """A ``Recorder`` that records nothing (no run directory). Subclass it for test fakes.
+
+    Its methods do what ``Recorder``'s say, recording nothing: ``emit`` returns None and
+    ``flush`` True.
+    """
 
     run = ""
 

@@ -102,7 +102,11 @@ class RunReport:
     """Seconds of each user phase (``custom`` badput) on the reference rank, by name."""
 
     def ml_badput_s(self) -> dict[str, float]:
-        """``badput_s`` in the categories of Google's ml-goodput-measurement (``ML_GOODPUT``)."""
+        """``badput_s`` in other categories.
+
+        Returns:
+            Category of Google's ml-goodput-measurement (``ML_GOODPUT``) -> seconds.
+        """
         out = dict.fromkeys(dict.fromkeys(ML_GOODPUT.values()), 0.0)
         for category, seconds in self.badput_s.items():
             out[ML_GOODPUT[category]] += seconds
@@ -116,6 +120,11 @@ class RunReport:
     """Straggler episodes, by begin."""
 
     def to_dict(self) -> dict[str, Any]:
+        """The report as plain data (``unbroken report --json``).
+
+        Returns:
+            Field name -> value, nested records as dicts.
+        """
         out = asdict(self)
         out["faults"] = [f.to_dict() for f in self.faults]
         out["by_class"] = {k: v.to_dict() for k, v in self.by_class.items()}

@@ -39,7 +39,7 @@ from unbroken.ledger.events import STEP, Event
 from unbroken.ledger.reader import StepDigest
 
 MIN_RATIO = 0.6
-"""Least busy ratio of a straggler (a throttled rank's measures 0.8-1.0 here)."""
+"""Least busy ratio of a straggler (a throttled rank is busy nearly all of each step)."""
 MARGIN = 0.25
 """Least lead of a straggler's busy ratio over the other ranks' median."""
 WINDOW_STEPS = 5

@@ -43,11 +43,14 @@ _STOP = object()
 
 
 def process_start_time() -> float:
-    """Epoch seconds at which this process was created (Linux /proc), else now. (A worker that
-    waited as a warm-pool standby started later: ``unbroken.env.standby_start``.)
+    """When this process was created. (A worker that waited as a warm-pool standby started
+    later: ``unbroken.env.standby_start``.)
 
     ``/proc/stat``'s boot time is whole seconds, so it is not used: the age of the process is
     ``uptime - starttime`` (both in 10 ms resolution), subtracted from now.
+
+    Returns:
+        Epoch seconds (Linux /proc), else now.
     """
     try:
         stat = Path("/proc/self/stat").read_text()
@@ -78,9 +81,21 @@ def file_name() -> str:
 
 
 class Ledger:
-    """Append-only goodput event stream of one process.
+    """Append-only goodput event stream of one process: ``<run_dir>/events/<file>.jsonl``,
+    written and fsynced by a thread of its own.
 
     Not thread-safe for ``set_context``; ``emit`` may be called from any thread.
+
+    Args:
+        run_dir: The run directory.
+        run: The run id stamped on every record.
+        rank: The global rank stamped on records (-1: a launcher agent).
+        attempt: The launcher attempt stamped on records.
+        iteration: The in-process iteration stamped on records.
+        fsync_interval_s: The file is fsynced at least this often while records come.
+
+    Raises:
+        ValueError: When ``fsync_interval_s`` is not > 0.
     """
 
     def __init__(
@@ -119,7 +134,13 @@ class Ledger:
     def set_context(
         self, *, rank: int | None = None, attempt: int | None = None, iteration: int | None = None
     ) -> None:
-        """Change the rank, launcher attempt or in-process iteration stamped on later records."""
+        """Change what is stamped on later records; None leaves a field as it is.
+
+        Args:
+            rank: The global rank.
+            attempt: The launcher attempt.
+            iteration: The in-process iteration.
+        """
         if rank is not None:
             self.rank = rank
         if attempt is not None:
@@ -131,7 +152,16 @@ class Ledger:
     @masked
     def emit(self, kind: str, *, ts: float | None = None, **data: Any) -> ev.Event:
         """Queue one record; never blocks on I/O. Masked (``unbroken.mask``): a restart
-        interrupt never leaves a record half-queued."""
+        interrupt never leaves a record half-queued.
+
+        Args:
+            kind: One of ``unbroken.ledger.events.KINDS``.
+            ts: When it happened, epoch seconds (None: now).
+            **data: Its kind-specific fields.
+
+        Returns:
+            The record (queued, or dropped once the ledger is closed).
+        """
         event = ev.Event(
             kind=kind,
             ts=time.time() if ts is None else ts,
@@ -150,19 +180,35 @@ class Ledger:
         return event
 
     def interval(self, kind: str, *, begin: float, end: float | None = None, **data: Any) -> None:
-        """Record an interval ``[begin, end]`` (end defaults to now)."""
+        """Record an interval ``[begin, end]``.
+
+        Args:
+            kind: One of ``unbroken.ledger.events.KINDS``.
+            begin: Its start, epoch seconds.
+            end: Its end (None: now).
+            **data: Its kind-specific fields.
+        """
         end = time.time() if end is None else end
         self.emit(kind, ts=end, dur_s=max(0.0, end - begin), **data)
 
     def mark(self, ts: float | None = None) -> None:
-        """Set the step boundary: the next ``step`` record's interval starts here."""
+        """Set the step boundary: the next ``step`` record's interval starts here.
+
+        Args:
+            ts: The boundary, epoch seconds (None: now).
+        """
         self._mark = time.time() if ts is None else ts
         self._busy.reset()
 
     def step(self, step: int, **data: Any) -> None:
         """Record a completed training step; its interval starts at the previous boundary.
         Adds ``busy_s`` (``busy.BusyClock``: the calling thread's run + run-queue time since
-        that boundary) when it is known and ``data`` has none."""
+        that boundary) when it is known and ``data`` has none.
+
+        Args:
+            step: The step completed.
+            **data: More fields of its record (``loss=...``).
+        """
         busy = self._busy.lap()
         if busy is not None:
             data.setdefault("busy_s", round(busy, 6))
@@ -172,7 +218,15 @@ class Ledger:
 
     @contextmanager
     def phase(self, name: str, **data: Any) -> Iterator[None]:
-        """Record the enclosed block as a phase; moves the step boundary to its end."""
+        """Record the enclosed block as a phase; moves the step boundary to its end.
+
+        Args:
+            name: The phase's name (``unbroken.ledger.events.PHASES``, or a user's).
+            **data: More fields of its record.
+
+        Raises:
+            ValueError: For a user's phase name that is not valid.
+        """
         if name not in ev.PHASES:
             check_name(name)  # a user's phase (``RestartContext.phase``)
         begin = time.time()
@@ -184,7 +238,14 @@ class Ledger:
 
     # --- durability --------------------------------------------------------------------------
     def flush(self, timeout_s: float = 5.0) -> bool:
-        """Wait until every record emitted so far is written; returns False on timeout."""
+        """Wait until every record emitted so far is written.
+
+        Args:
+            timeout_s: How long at most.
+
+        Returns:
+            False on timeout.
+        """
         deadline = time.monotonic() + timeout_s
         with self._cond:
             target = self._enqueued
@@ -197,7 +258,11 @@ class Ledger:
 
     def close(self, timeout_s: float = 5.0) -> None:
         """Write everything queued, fsync, and stop the writer thread. Idempotent; every caller
-        (a signal handler racing a normal exit, say) returns only once the writing is done."""
+        (a signal handler racing a normal exit, say) returns only once the writing is done.
+
+        Args:
+            timeout_s: How long to wait for the writer thread at most.
+        """
         self._stop()
         self._busy.close()
         if threading.current_thread() is not self._thread:
@@ -311,7 +376,10 @@ def install_sigterm_flush(ledger: Ledger) -> None:
     handler writes the signal number to a wakeup fd, and a small thread reading it closes the
     ledger and re-raises SIGTERM with the default action. Falls back to a plain Python handler
     when the wakeup fd is taken (e.g. by asyncio), and chains to a Python handler already
-    installed. Main thread only.
+    installed. Main thread only (elsewhere it does nothing).
+
+    Args:
+        ledger: The ledger to close.
     """
     if threading.current_thread() is not threading.main_thread():
         return

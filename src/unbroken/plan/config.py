@@ -188,6 +188,7 @@ class PlanConfig:
     # --- derived sizes ---------------------------------------------------------------------
     @property
     def gpus(self) -> int:
+        """GPUs in the job: nodes x GPUs per node."""
         return self.nodes * self.gpus_per_node
 
     @property
@@ -207,10 +208,19 @@ class PlanConfig:
 
     @property
     def productive_s(self) -> float:
+        """Seconds of steps the job needs without faults or overheads."""
         return self.steps * self.step_time_s
 
     def rate_per_s(self, kind: str) -> float:
-        """Faults of ``kind`` per second of the job's training time (rate mode)."""
+        """How often a kind of fault strikes the job (rate mode).
+
+        Args:
+            kind: One of ``KINDS``.
+
+        Returns:
+            Faults of ``kind`` per second of the job's training time (0 for a kind without a
+                rate).
+        """
         return self.failures_per_gpu_hour.get(kind, 0.0) * self.gpus / 3600.0
 
 

@@ -154,21 +154,34 @@ class Prediction:
     """The analytical expectation for one layering."""
 
     layering: str
+    """One of ``LAYERINGS``."""
     wall_s: float
+    """Expected wall time of the job."""
     training_goodput: float
+    """Expected productive seconds / wall seconds."""
     infra_goodput: float
+    """Expected 1 - (restart and restore seconds) / wall seconds."""
     faults: float
     """Expected faults in the run."""
     ckpt_every_steps: int
+    """The durable checkpoint interval, in steps (configured, else the best)."""
     memory_every_steps: int | None
+    """The memory snapshot interval, in steps (None: no memory tier)."""
     stall: float
     """Blocking checkpoint seconds per second of steps."""
     hot_spares: int
+    """Hot spare nodes (configured, else recommended; 0 for Kubernetes alone)."""
     memory_tier_bytes_per_node: float
     """Host memory of the memory tier on each node: a local snapshot and a peer's copy."""
     costs: tuple[FaultCost, ...]
+    """Per fault kind and recovering layer: how many, and what each costs."""
 
     def to_dict(self) -> dict[str, Any]:
+        """The prediction as plain data (``unbroken plan --json``).
+
+        Returns:
+            Field name -> value, the costs as dicts.
+        """
         out = asdict(self)
         out["costs"] = [asdict(c) for c in self.costs]
         return out
@@ -266,7 +279,19 @@ def young_steps(cfg: PlanConfig) -> float:
 
 
 def predict(cfg: PlanConfig, layering: str) -> Prediction:
-    """The expected figures of ``cfg`` under ``layering`` (one of ``LAYERINGS``)."""
+    """The expected figures of a job under one layering.
+
+    Args:
+        cfg: The job.
+        layering: One of ``LAYERINGS``.
+
+    Returns:
+        The expectation.
+
+    Raises:
+        ValueError: For an unknown layering, or when faults (rate mode) undo the work faster
+            than it is done.
+    """
     if layering not in LAYERINGS:
         raise ValueError(f"unknown layering {layering!r}; expected one of {list(LAYERINGS)}")
     spares = recommended_spares(cfg) if cfg.hot_spares is None else cfg.hot_spares

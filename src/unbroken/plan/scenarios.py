@@ -1,6 +1,6 @@
 """The stored runs the planner is validated against (``data/``), and the scenarios of the README.
 
-- ``demo``: the figures ``make demo`` measured at 500 and 2000 steps (aggregates only: goodput,
+- ``demo``: the figures of ``make demo``'s runs of 500 and 2000 steps (aggregates only: goodput,
   infrastructure goodput, steps lost). Each configuration's 500-step run calibrates a plan
   (start-up, stall and per-fault costs, in units of the step time), which then predicts the
   same job at 2000 steps.

@@ -24,17 +24,30 @@ from unbroken.plan.model import FaultCost, Prediction, lag_steps, predict
 
 @dataclass(frozen=True, kw_only=True)
 class Spread:
-    """Percentiles over the trials of one layering."""
+    """Percentiles over the trials of one layering.
+
+    Each figure's dict holds p5, p50, p95 and mean.
+    """
 
     layering: str
+    """One of ``LAYERINGS``."""
     trials: int
+    """Seeded runs simulated."""
     seed: int
+    """Their seed."""
     training_goodput: dict[str, float]
-    """p5, p50, p95 and mean."""
+    """Training goodput: p5, p50, p95 and mean."""
     infra_goodput: dict[str, float]
+    """Infrastructure goodput."""
     faults: dict[str, float]
+    """Faults per run."""
 
     def to_dict(self) -> dict[str, Any]:
+        """The spread as plain data (``unbroken plan --json``).
+
+        Returns:
+            Field name -> value.
+        """
         return {
             "layering": self.layering,
             "trials": self.trials,
@@ -126,7 +139,20 @@ class _Trial:
 
 
 def simulate(cfg: PlanConfig, layering: str, *, trials: int = 200, seed: int = 0) -> Spread:
-    """``trials`` seeded runs of ``cfg`` under ``layering``; the same seed, the same figures."""
+    """Seeded runs of a job under one layering; the same seed, the same figures.
+
+    Args:
+        cfg: The job.
+        layering: One of ``LAYERINGS``.
+        trials: Runs to simulate.
+        seed: Their seed.
+
+    Returns:
+        Percentiles over the runs.
+
+    Raises:
+        ValueError: When ``trials`` < 1, or as ``predict``.
+    """
     if trials < 1:
         raise ValueError(f"trials must be >= 1, got {trials}")
     pred = predict(cfg, layering)

@@ -36,7 +36,11 @@ class RestartInterrupt(BaseException):  # noqa: N818 - an interrupt, not an erro
 
 
 class Escalated(RestartError):  # noqa: N818
-    """``run`` gave up: a higher layer must restart the job. Exit with ``exit_code``."""
+    """``run`` gave up: a higher layer must restart the job. Exit with ``exit_code``.
+
+    Args:
+        reason: Why (also the message), kept as ``reason``.
+    """
 
     exit_code = EXIT_ESCALATE
 
@@ -46,7 +50,11 @@ class Escalated(RestartError):  # noqa: N818
 
 
 class RankExcluded(RestartError):  # noqa: N818
-    """This rank was dropped from the job (failed health check, or arrived too late)."""
+    """This rank was dropped from the job (failed health check, or arrived too late).
+
+    Args:
+        reason: Why (also the message), kept as ``reason``.
+    """
 
     exit_code = EXIT_EXCLUDED
 
@@ -213,9 +221,13 @@ class RestartConfig:
                 )
 
     def ceilings(self) -> tuple[float, float, float, float]:
-        """(soft, hard, initial soft, initial hard): the explicit values, and for each one left
-        None the most calibration may give it (the defaults, kept in order with the explicit
-        ones)."""
+        """The ceilings of the hang timeouts.
+
+        Returns:
+            The explicit values of (soft, hard, initial soft, initial hard), and for each one
+                left None the most calibration may give it (the defaults, kept in order with
+                the explicit ones).
+        """
         soft = self.soft_timeout_s
         if soft is None:
             soft = (
@@ -237,8 +249,15 @@ class RestartConfig:
         return soft, hard, isoft, ihard
 
     def timeouts(self, *, initial: bool) -> tuple[float, float]:
-        """(soft, hard) ceilings before (initial) or after an iteration's first step; the
-        watchdog asks ``calibrate.Calibrator`` for the values in effect."""
+        """The ceilings of the hang timeouts of one part of an iteration; the watchdog asks
+        ``calibrate.Calibrator`` for the values in effect.
+
+        Args:
+            initial: Before the iteration's first step (True) or after it.
+
+        Returns:
+            (soft, hard) ceilings, in seconds.
+        """
         soft, hard, isoft, ihard = self.ceilings()
         return (isoft, ihard) if initial else (soft, hard)
 

@@ -50,6 +50,19 @@ class RestartContext:
     The default process group is initialized before ``fn`` is called (``dist.get_rank()`` equals
     ``rank``) and torn down by ``run`` afterwards: ``fn`` must not destroy it, and anything that
     holds it (a DDP/FSDP model, a DeviceMesh, a Checkpointer) belongs inside ``fn``.
+
+    Built by ``run``, not by a training script.
+
+    Args:
+        iteration: 0 on the first call of ``fn``, +1 per in-process restart.
+        cause: What restarted the previous iteration (None on the first).
+        rank: This rank in the iteration's process group.
+        world_size: Ranks in the iteration's process group.
+        local_rank: Rank on this node (the GPU index).
+        member: The launch rank (RANK at start): this process's identity across iterations.
+        run_dir: The run directory (ledger, checkpoints), if known.
+        ledger: Where ``step_done`` and ``phase`` record.
+        monitor: The watchdog's progress clock (None: no hang detection).
     """
 
     def __init__(
@@ -119,8 +132,13 @@ class RestartContext:
 
     def step_done(self, step: int, **data: Any) -> None:
         """Call after each completed training step (after ``optimizer.step``): the progress
-        heartbeat, the ledger's ``step`` record (``data`` goes into it), then the step hooks
-        in registration order (a hook may raise, hang or kill: that is the fault injector)."""
+        heartbeat, the ledger's ``step`` record, then the step hooks in registration order (a
+        hook may raise, hang or kill: that is the fault injector).
+
+        Args:
+            step: The step just completed (0-based).
+            **data: Fields of the ledger's ``step`` record (``loss=...``).
+        """
         if self._monitor is not None:
             self._monitor.progress(step=True)
         if self.first_step is None:
@@ -147,7 +165,14 @@ class RestartContext:
           ``UNBROKEN_PHASE_TIMEOUTS``) names one; its time is not a step gap.
         - A fault plan may target it (``phase: validation``), firing on entry.
 
-        Raises ValueError for an invalid name. Call from fn's thread; phases nest."""
+        Call from fn's thread; phases nest.
+
+        Args:
+            name: The phase's name.
+
+        Raises:
+            ValueError: For an invalid name.
+        """
         phases.check_name(name)
         if self._monitor is not None:
             self._monitor.enter_phase(name)
@@ -166,19 +191,31 @@ class RestartContext:
             hook(name, dur_s)
 
     def add_step_hook(self, hook: StepHook) -> None:
-        """Call ``hook(step)`` at the end of every ``step_done`` of this iteration."""
+        """Call ``hook(step)`` at the end of every ``step_done`` of this iteration.
+
+        Args:
+            hook: Called with the step just completed.
+        """
         self._hooks.append(hook)
 
     def add_phase_hook(self, hook: PhaseHook) -> None:
-        """Call ``hook(name, None)`` on entry to every named phase of this iteration (before a
-        fault plan's phase target fires) and ``hook(name, seconds)`` when it ends normally."""
+        """Watch the named phases of this iteration.
+
+        Args:
+            hook: Called as ``hook(name, None)`` on entry to every named phase (before a fault
+                plan's phase target fires) and ``hook(name, seconds)`` when it ends normally.
+        """
         self._phase_hooks.append(hook)
 
     def add_exit_hook(self, hook: ExitHook) -> None:
-        """Call ``hook(error)`` once ``fn`` has ended in this iteration, with what it raised
-        (None when it returned), before the next iteration starts. Hooks run outside ``fn``,
-        where no restart interrupt reaches them (e.g. to abort what a failed ``fn`` left
-        open); an exception from one is logged and ignored."""
+        """Call ``hook(error)`` once ``fn`` has ended in this iteration, before the next
+        iteration starts. Hooks run outside ``fn``, where no restart interrupt reaches them
+        (e.g. to abort what a failed ``fn`` left open); an exception from one is logged and
+        ignored.
+
+        Args:
+            hook: Called with what ``fn`` raised (None when it returned).
+        """
         self._exit_hooks.append(hook)
 
     def _exited(self, error: BaseException | None) -> None:

@@ -124,7 +124,14 @@ class NvmlCheck:
 
 
 class HostMemoryCheck:
-    """At least ``min_available_bytes`` of host memory are available (MemAvailable)."""
+    """At least ``min_available_bytes`` of host memory are available (MemAvailable).
+
+    Args:
+        min_available_bytes: The least a healthy rank's host has available.
+
+    Raises:
+        ValueError: When ``min_available_bytes`` < 0.
+    """
 
     name = "host_memory"
 
@@ -157,7 +164,14 @@ def _mem_available() -> int | None:
 
 
 class FaultCountCheck:
-    """Fails a rank that has caused ``max_faults`` faults or more."""
+    """Fails a rank that has caused ``max_faults`` faults or more.
+
+    Args:
+        max_faults: Faults a rank may cause before it is excluded.
+
+    Raises:
+        ValueError: When ``max_faults`` < 1.
+    """
 
     name = "fault_count"
 
@@ -174,6 +188,11 @@ class FaultCountCheck:
 
 
 def default_checks() -> tuple[HealthCheck, ...]:
+    """The checks ``RestartConfig`` runs unless given others.
+
+    Returns:
+        The CUDA device, NVML and host memory checks.
+    """
     return (CudaDeviceCheck(), NvmlCheck(), HostMemoryCheck())
 
 

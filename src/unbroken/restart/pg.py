@@ -1,11 +1,11 @@
 """The process group of one iteration: form it, abort it, tear it down off the critical path.
 
-What unblocks a collective (torch 2.13, measured on this machine, see the bench docs):
+What unblocks a collective (torch 2.13, see the bench docs):
 - gloo: ``ProcessGroupGloo.abort()``, ``_abort_process_group()`` and
   ``destroy_process_group()`` all return at once but leave a collective that waits for a live
-  peer blocked (it returned only when the peer's process exited, 3 s later). What does unblock
-  it is its TCP connections going away. So ``Transport.close`` calls ``shutdown(2)`` on the
-  group's pair sockets: the local collective fails within ~2 ms ("Connection closed by peer"),
+  peer blocked (it returns only when the peer's process exits). What does unblock it is its
+  TCP connections going away. So ``Transport.close`` calls ``shutdown(2)`` on the group's pair
+  sockets: the local collective fails at once ("Connection closed by peer"),
   and the FIN makes every peer's collective on those connections fail too, so one rank's abort
   frees the others even when they are stuck in native code. The group's listening socket is
   left alone (shutting it down aborts the process inside gloo's accept loop).
@@ -22,8 +22,8 @@ default group can be formed at once) and hands the old group objects to a reaper
 collector frees it - and its sockets, and on a GPU its memory. The reaper runs that collection
 while the ranks meet in the store; the next iteration starts once it is done. ``run`` freezes
 the objects that exist before it starts (``gc.freeze``), and again after each collection, so
-a collection only walks what the failed iteration built: a full collection takes ~190 ms in a
-process that imported torch, ~100 ms more after FSDP's first use imported the rest.
+a collection only walks what the failed iteration built, not the many objects of a process
+that imported torch (and more after FSDP's first use imported the rest).
 """
 
 from __future__ import annotations

@@ -77,16 +77,26 @@ def run(
     ledger: Recorder | None = None,
     env: WorkerEnv | None = None,
 ) -> T:
-    """Call ``fn(ctx)`` on every rank until it returns everywhere; returns its value.
+    """Call ``fn(ctx)`` on every rank until it returns everywhere.
 
-    Call from the main thread, without a default process group (``run`` forms it). Raises
-    ``Escalated`` (exit with ``EXIT_ESCALATE``) when the job cannot go on in-process, and
-    ``RankExcluded`` (exit with ``EXIT_EXCLUDED``) on a rank that left the job.
+    Call from the main thread, without a default process group (``run`` forms it).
     ``KeyboardInterrupt`` and ``SystemExit`` from ``fn`` end ``run`` on that rank (its peers
     restart without it).
 
-    ``ledger`` records the restarts; None: a ``Ledger`` of its own in the launcher's run
-    directory (``UNBROKEN_RUN_DIR``), else nothing.
+    Args:
+        fn: The training function, called again after each in-process restart.
+        config: How restarts happen (None: the defaults).
+        ledger: Records the restarts (None: a ``Ledger`` of its own in the launcher's run
+            directory, ``UNBROKEN_RUN_DIR``, else nothing).
+        env: What the launcher handed this worker (None: read from the environment).
+
+    Returns:
+        What ``fn`` returned.
+
+    Raises:
+        Escalated: When the job cannot go on in-process (exit with ``EXIT_ESCALATE``).
+        RankExcluded: On a rank that left the job (exit with ``EXIT_EXCLUDED``).
+        ValueError: When a default process group already exists.
     """
     config = config or RestartConfig()
     env = env or WorkerEnv.from_environ()
@@ -373,7 +383,7 @@ class _Runner:
     def _collect(self) -> None:
         """On the reaper, while the main thread waits for it: free the failed iteration, then
         freeze what survives (modules fn imported lazily, ...), so that the next collection
-        only walks what the next iteration builds (~120k objects after FSDP's first use)."""
+        only walks what the next iteration builds (FSDP's first use imports many objects)."""
         gc.collect()
         if self.gc_frozen:
             gc.freeze()

@@ -47,7 +47,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 import unbroken
-from unbroken.checkpoint import state_sha256
+from unbroken.checkpoint import CheckpointConfig, state_sha256
 from unbroken.env import WorkerEnv
 from unbroken.errors import EXIT_CONFIG
 from unbroken.ledger.durable import write_atomic
@@ -97,13 +97,10 @@ def _checkpointer(args: argparse.Namespace, run_dir: Path) -> unbroken.Checkpoin
     if args.ckpt_every == 0 and args.snapshot_every == 0:
         return None
     nice, idle = WRITER_PRIORITIES[args.writer_priority]
-    # Peers: unbroken.run offers them in a multi-node job; naming none keeps them out.
-    no_peers: dict[str, Any] = {"peers": (), "peer_index": -1} if args.no_peer_replica else {}
     return unbroken.Checkpointer(
         Path(args.ckpt_dir) if args.ckpt_dir else run_dir / "ckpt",
         run=args.job,
         allow_foreign=args.resume,
-        every_steps=args.ckpt_every,
         keep=args.ckpt_keep,
         mode=args.ckpt_mode,
         on_busy=args.ckpt_on_busy,
@@ -111,10 +108,14 @@ def _checkpointer(args: argparse.Namespace, run_dir: Path) -> unbroken.Checkpoin
         snapshot_every=args.snapshot_every,
         memory_tier=not args.no_memory_tier,
         rescue=not args.no_rescue,
-        writer_nice=nice,
-        writer_idle=idle,
-        **no_peers,
-        **saving.checkpointer_fields(args),
+        # Peers: unbroken.run offers them in a multi-node job; naming none keeps them out.
+        peers=() if args.no_peer_replica else None,
+        config=CheckpointConfig(
+            every_steps=args.ckpt_every,  # with the adaptive interval's bounds: checked together
+            writer_nice=nice,
+            writer_idle=idle,
+            **saving.checkpointer_fields(args),
+        ),
     )
 
 

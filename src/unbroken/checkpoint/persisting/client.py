@@ -8,7 +8,7 @@ Two ways to start the writer (``start``):
 
 * ``"fork"`` (default where the trainer has already imported torch): ``os.fork`` of the trainer.
   Ready in milliseconds, because torch is already in memory. Spawning instead costs a torch
-  import (1.3 s idle here, 3-4 s while the ranks train on the same cores) — paid at every
+  import (seconds, more while the ranks train on the same cores) — paid at every
   in-process restart and every relaunch, during which the first saves are skipped and steps are
   lost. The child replaces every inherited descriptor but its socket and stdio with /dev/null
   (so it holds no peer connection or store socket open, and no inherited Python object can

@@ -3,9 +3,9 @@
 A writer forked from the trainer shares every page the trainer had, its model, optimizer state
 and freed-but-kept heap included, and each of those pages the trainer writes afterwards is
 copied once (copy-on-write). An in-process restart kills the failed iteration's writer and
-forks a new one from a heap full of the last iteration's tensors: measured on 2 CPU ranks of
-``tiny``, the first step after the restart took 13k page faults and 0.1 s of system time
-(0.2-0.5 s instead of 0.14 s); with the writer started one step later, that step paid it.
+forks a new one from a heap full of the last iteration's tensors: the first step after the
+restart then pays thousands of page faults in system time, a multiple of a small model's step
+on CPU (with the writer started one step later, that step pays it).
 
 ``serving()`` (entered by ``unbroken.run`` and the reference script before the first iteration
 builds anything) forks a *fork server* from the trainer while its heap is small: one
@@ -14,8 +14,8 @@ writer then shares pages with the server only, and the trainer's writes copy not
 server reaps its writers and reports their exit codes (``returncode``); it exits when the
 trainer closes it (its writers then get their parent-death signal) or dies (the server gets
 its own). A writer forked this way is the trainer's grandchild: the trainer signals it by pid
-and learns of its end from the server. Outside ``serving()`` writers fork from the trainer as
-before (``client``); so do they when the server is gone.
+and learns of its end from the server. Outside ``serving()`` writers fork from the trainer
+(``client``); so do they when the server is gone.
 
 The server is forked like a writer (``prepare_child``): every module a save needs imported
 first, every inherited descriptor but its socket replaced, the trainer's signal handlers reset,

@@ -37,11 +37,26 @@ class WriterHooks(Protocol):
     """Fault and test hooks a checkpoint writer process calls (see the module docstring)."""
 
     def save_rate(self, *, root: Path, rank: int, step: int) -> float | None:
-        """The write-rate cap (bytes/s) of ``rank``'s save of ``step`` under ``root``, or None."""
+        """The write-rate cap of one save, asked at its start.
+
+        Args:
+            root: The checkpoint directory.
+            rank: The rank whose writer asks.
+            step: The step being saved.
+
+        Returns:
+            The cap in bytes/s, or None: no cap beyond ``throttle_mbps``.
+        """
         ...
 
     def at(self, point: str, *, root: Path, step: int) -> None:
-        """Called at ``point`` (one of ``POINTS``) of the save of ``step``."""
+        """Called at each point of the commit protocol; may stop the writer there (tests).
+
+        Args:
+            point: One of ``POINTS``.
+            root: The checkpoint directory.
+            step: The step being saved.
+        """
         ...
 
 

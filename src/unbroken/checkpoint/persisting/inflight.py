@@ -45,6 +45,7 @@ class CheckpointStats:
     committed: int = 0
     """Saves this rank saw committed (rank 0), or persisted (other ranks)."""
     failed: int = 0
+    """Saves that failed (the writer died, storage stalled, the writer reported an error)."""
     stall_s: list[float] = field(default_factory=list)
     """Per save: time the trainer was blocked (waiting, staging, waiting for overlap)."""
     persist_s: list[float] = field(default_factory=list)
@@ -57,7 +58,11 @@ class CheckpointStats:
     """Bytes of the last save."""
 
     def copy(self) -> CheckpointStats:
-        """A copy that later saves do not change."""
+        """A copy of these counters.
+
+        Returns:
+            A copy that later saves do not change.
+        """
         return dataclasses.replace(
             self,
             stall_s=list(self.stall_s),

@@ -90,11 +90,10 @@ class _Abort(Exception):
 class ChecksumWriter(io.RawIOBase):
     """A write-only stream over a file descriptor that computes CRC-32 and can cap the rate.
 
-    ``torch.save`` writes a tensor's archive in ~39 pieces (headers, the pickle, the central
-    directory) and flushes once at its end: the pieces are gathered in a buffer (up to
-    ``_BUFFER`` bytes) and written with one system call at that flush. Measured on the
-    ``tiny`` model's saves, the writer's CPU per save fell from 85 to 61 ms. Call ``flush``
-    before the data must be in the file (``fsync``)."""
+    ``torch.save`` writes a tensor's archive in dozens of pieces (headers, the pickle, the
+    central directory) and flushes once at its end: the pieces are gathered in a buffer (up to
+    ``_BUFFER`` bytes) and written with one system call at that flush, which saves the writer
+    a system call per piece. Call ``flush`` before the data must be in the file (``fsync``)."""
 
     def __init__(self, fd: int, *, bytes_per_s: float, check: Any = None) -> None:
         super().__init__()
@@ -393,10 +392,9 @@ def lower_priority(nice: int, *, idle: bool = False) -> None:
     a persisting writer then takes its share from the *other* ranks' trainers. So the writer
     leaves its trainer's session for one of its own, whose autogroup (the writer alone) gets
     the lowest share, niceness 19; then ``nice`` is added to its own niceness, and with
-    ``idle`` it runs as SCHED_IDLE (on what the trainers leave). Measured on 2 cores with 2
-    ranks (``tiny``, a save every 5 steps): the step after a durable save was 63-72 ms slower
-    with the niceness alone, 44-46 ms with its own autogroup too, 20-29 ms with SCHED_IDLE as
-    well (persisting then takes ~2x longer)."""
+    ``idle`` it runs as SCHED_IDLE (on what the trainers leave). Where the ranks take every
+    core, each of the three takes less from the step after a durable save than the one before
+    it, and persisting takes longer (``unbroken bench writer`` compares them)."""
     if not nice and not idle:
         return
     with contextlib.suppress(OSError):  # a session leader already (a spawned writer run alone)

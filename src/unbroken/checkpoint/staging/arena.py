@@ -4,7 +4,7 @@ The arena is a memfd (anonymous shared memory, the same tmpfs pages as a /dev/sh
 with no name to leak when a process is SIGKILLed), mapped here and, through its fd passed over
 the writer's socket, in the writer; under ``unbroken-run`` the node agent holds the fd too, so
 the arena outlives this process (``adopt`` maps it in the next one; see ``memory``). Pages are touched once at allocation so that a save copies
-into already-faulted memory (6-19 GB/s here, against ~1 GB/s while faulting). On CUDA the
+into already-faulted memory (several times faster than copying while faulting). On CUDA the
 mapping is page-locked with cudaHostRegister so device-to-host copies run asynchronously.
 """
 
@@ -173,7 +173,7 @@ def copy_into(arena: Arena, pairs: list[tuple[torch.Tensor, Slot]]) -> None:
 def copy_tensors(srcs: list[torch.Tensor], dsts: list[torch.Tensor]) -> None:
     """Copy each source into its destination (of the same dtype and shape: arena views);
     waits for device copies to finish. Host sources go in one ``_foreach_copy_`` call (one
-    dispatch instead of one per tensor: ~2 us each)."""
+    dispatch instead of one per tensor, whose overhead adds up over many small tensors)."""
     if not srcs:
         return
     if any(src.is_cuda for src in srcs):

@@ -229,7 +229,7 @@ def read(arena: Arena) -> tuple[Ring | None, list[Snapshot]]:
 
 
 # Each region's metadata as last parsed, by its bytes: a restore reads the arena its warm-up
-# read already, and unpickling ~250 items with the restricted unpickler takes 3-6 ms a region.
+# read already, and unpickling hundreds of items with the restricted unpickler is not free.
 _parsed: weakref.WeakKeyDictionary[Arena, dict[int, tuple[bytes, dict[str, Any]]]] = (
     weakref.WeakKeyDictionary()
 )

@@ -1,14 +1,14 @@
 """The step a fault interrupted, snapshotted from the live state as the process unwinds.
 
-A snapshot per step costs the training thread ~2 ms on this machine for ``tiny`` (a walk over
-every state tensor and its checks) and a GPU job a full device-to-host copy per step. A soft
+A snapshot per step costs the training thread a walk over every state tensor and its checks,
+and a GPU job a full device-to-host copy per step. A soft
 fault does not need one: the process survives it, and the model and optimizers it holds are
 still those of the last completed step unless an ``optimizer.step`` ran since. So between
 snapshots ``Checkpointer.note`` records each completed step cheaply:
 
 - every state value other than the model and its optimizers (data cursor, RNG, counters) by
-  value: its state dict with tensors cloned and lists copied (~0.6 ms for the reference
-  script's data, RNG and loss curve; a quarter of it the RNG capture itself);
+  value: its state dict with tensors cloned and lists copied (the RNG capture a good part of
+  it);
 - the version counter of every model and optimizer tensor the reuse plan holds
   (``reuse.Plan``), and the optimizers' hyperparameters.
 

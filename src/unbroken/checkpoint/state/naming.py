@@ -2,7 +2,7 @@
 
 ``get_model_state_dict`` is ``state_dict()`` with every key renamed by ``_get_fqns``, a walk
 from the root for each key, after ``_verify_options`` has walked every parameter and buffer
-the same way: ~10 ms of a fresh process's ~60 ms restore from memory for the ``small`` model.
+the same way: a sizeable share of a fresh process's restore from memory.
 For most models the renaming is the identity below the root: no FSDP1, no DDP or compiled
 module below the root, no ``_fqn_modifiers``, no activation-checkpoint wrapper (FSDP2's
 ``fully_shard`` and plain modules), so the FQN is the key, less a root DDP's ``module.`` or a
@@ -26,7 +26,7 @@ _MODIFIERS = "_fqn_modifiers"
 
 def _modifies(m: nn.Module) -> bool:
     """``hasattr(m, "_fqn_modifiers")`` as ``_get_fqns`` asks it, without ``nn.Module``'s
-    ``__getattr__`` raising for the usual no (~5 us a module)."""
+    ``__getattr__`` raising for the usual no (an exception per module)."""
     return (
         getattr(type(m), _MODIFIERS, None) is not None
         or _MODIFIERS in m.__dict__

@@ -6,15 +6,13 @@ or ``PerRank(...)`` of any of these. Models and optimizers go through
 ``torch.distributed.checkpoint.state_dict`` with sharded state dicts, so a DTensor is saved as
 this rank's shard and reshards on load.
 
-Who writes what, decided without a collective:
-- a DTensor shard: the rank that holds it;
-- a plain tensor of a model or optimizer (DDP, unsharded, an optimizer's ``step``): it is the
-  same on every rank, so exactly one rank writes it, chosen by a deterministic balance over
-  the sorted item list every rank computes alike;
-- anything else (extra state, non-tensor values): every rank that has it writes it, and the
-  checkpoint's metadata points to the lowest rank's copy (DCP's rule: one key, one value).
-  Values that differ per rank go in ``PerRank``: saved under ``<key>.rank<R>`` and restored
-  into the same rank when the world size matches, skipped otherwise.
+Who writes what, decided without a collective: a DTensor shard, the rank that holds it; a
+plain tensor of a model or optimizer (DDP, unsharded, an optimizer's ``step``), the same on
+every rank, exactly one rank, chosen by a deterministic balance over the sorted item list
+every rank computes alike; anything else (extra state, non-tensor values), every rank that
+has it, the metadata pointing to the lowest rank's copy (DCP's rule: one key, one value).
+Values that differ per rank go in ``PerRank``: saved under ``<key>.rank<R>`` and restored
+into the same rank when the world size matches, skipped otherwise.
 """
 
 from __future__ import annotations
@@ -48,8 +46,10 @@ logger = logging.getLogger(__name__)
 class PerRank:
     """Marks a state value that differs per rank (RNG state, a rank's data cursor).
 
-    Saved under ``<key>.rank<R>``; restored into rank R when the checkpoint has that key
-    (same world size), and left as it is otherwise.
+    Saved under ``<key>.rank<R>``; restored into rank R when the checkpoint has that key.
+
+    Args:
+        obj: The value: a Stateful, a mapping or a tensor, as a state value may be.
     """
 
     def __init__(self, obj: Any) -> None:

@@ -12,13 +12,15 @@
 - ``link``: a degraded link between pods (every packet delayed, some dropped), emulated in
   user space through TUN devices, since this kernel has no ``netem``;
 - ``cluster``: ``Cluster`` applies manifests, runs the controllers' loop, loses nodes and
-  degrades links on request, and records what happened (``history``).
+  degrades links on request, and records what happened (``history``); ``config``: how it
+  behaves (``EmulationConfig``).
 
 Used by the multi-node tests, ``unbroken bench k8s`` and the baseline of ``unbroken bench
 recovery`` (Kubernetes alone). It is not Kubernetes: no scheduler, no kubelet, no API server;
 what it emulates is listed above and in each module.
 """
 
-from unbroken.k8s.emulate.cluster import Cluster, EmulationConfig
+from unbroken.k8s.emulate.cluster import Cluster
+from unbroken.k8s.emulate.config import EmulationConfig
 
 __all__ = ["Cluster", "EmulationConfig"]

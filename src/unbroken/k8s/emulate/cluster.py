@@ -23,11 +23,11 @@ import subprocess
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from unbroken.k8s.emulate import link
+from unbroken.k8s.emulate.config import EmulationConfig
 from unbroken.k8s.emulate.dns import Dns, Localizer, Service
 from unbroken.k8s.emulate.net import LoopbackNetwork, NetnsNetwork, Network, netns_unavailable
 from unbroken.k8s.emulate.pod import DISRUPTION, Pod, expand
@@ -35,42 +35,22 @@ from unbroken.k8s.emulate.workloads import DeploymentRun, JobRun, JobSetRun
 
 logger = logging.getLogger(__name__)
 
-MODES = ("auto", "netns", "loopback")
-
-
 _NOTABLE = frozenset({"pod_failed", "job_failed", "job_complete", "jobset_restart"})
 
 
-@dataclass(frozen=True, kw_only=True)
-class EmulationConfig:
-    """How the emulated cluster behaves."""
-
-    mode: str = "auto"
-    """"netns" (root: namespaces), "loopback" (anywhere), "auto": netns where possible."""
-    pod_start_delay_s: float = 0.0
-    """From a pod's creation to its container's start (scheduling, sandbox, image): every pod."""
-    failure_backoff_s: float = 0.0
-    """Job controller back-off before replacing a pod whose failure counted, doubled per
-    counted failure of its index (Kubernetes: 10 s); none for an ignored failure."""
-    max_backoff_s: float = 360.0
-    """Cap of that back-off (Kubernetes: 6 minutes)."""
-    poll_s: float = 0.01
-    """Period of the controllers' loop."""
-    cluster_domain: str = "cluster.local"
-    """The cluster's DNS domain."""
-
-    def __post_init__(self) -> None:
-        if self.mode not in MODES:
-            raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
-        for name in ("pod_start_delay_s", "failure_backoff_s", "max_backoff_s"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
-        if not self.poll_s > 0:
-            raise ValueError(f"poll_s must be > 0, got {self.poll_s}")
-
-
 class Cluster:
-    """An emulated cluster in ``workdir`` (pod logs under ``workdir/pods``)."""
+    """An emulated cluster. Use ``apply``, then ``wait``; always ``close``.
+
+    Args:
+        workdir: Where it keeps its state (pod logs under ``workdir/pods``).
+        cfg: How it behaves (None: the defaults).
+        commands: Container command -> the host argv that runs it (``unbroken-run`` -> this
+            Python's); unmapped commands run as they are.
+        volumes: PersistentVolumeClaim name -> the host directory that backs it.
+        env: The environment every container starts with, under its own.
+        disrupted: Tells whether a pod that failed lost its node (a node-loss fault), which
+            gives it the ``DisruptionTarget`` condition.
+    """
 
     def __init__(
         self,
@@ -112,18 +92,43 @@ class Cluster:
 
     # --- what the workloads call -----------------------------------------------------------
     def record(self, event: str, **data: Any) -> None:
+        """Append ``event`` to ``history``, stamped with ``time.time()``.
+
+        Args:
+            event: What happened ("pod_started", "node_lost", ...).
+            **data: Its details.
+        """
         self.history.append({"ts": time.time(), "event": event, **data})
         # What changes the job's course at INFO; every pod start and end at DEBUG.
         level = logging.INFO if event in _NOTABLE else logging.DEBUG
         logger.log(level, "emulated k8s: %s %s", event, data)
 
     def schedule(self, delay_s: float, fn: Callable[[], None]) -> None:
+        """Run ``fn`` on the controllers' loop after ``delay_s`` seconds (a workload's timer).
+
+        Args:
+            delay_s: The delay.
+            fn: What to run.
+        """
         heapq.heappush(self._timers, (time.monotonic() + delay_s, next(self._seq), fn))
 
     def when(self, cond: Callable[[], bool], fn: Callable[[], None]) -> None:
+        """Run ``fn`` once, on the controllers' loop, the first time ``cond()`` holds.
+
+        Args:
+            cond: The condition, checked every ``poll_s``.
+            fn: What to run.
+        """
         self._whens.append((cond, fn))
 
     def add_headless_service(self, name: str, selector: dict[str, str], namespace: str) -> None:
+        """Give the pods ``selector`` matches DNS names under ``name`` (a JobSet's Service).
+
+        Args:
+            name: The Service's name.
+            selector: Pod labels it selects.
+            namespace: Its namespace.
+        """
         self.dns.services[name] = Service(selector, namespace, headless=True)
 
     def create_pod(
@@ -140,6 +145,23 @@ class Cluster:
         index: int | None,
         on_end: Callable[[Pod], None],
     ) -> Pod:
+        """Create a pod; its container starts after ``pod_start_delay_s`` (a workload's call).
+
+        Args:
+            owner: The workload that owns it.
+            name: The pod's name.
+            hostname: Its hostname.
+            subdomain: The headless Service that names it (None: none).
+            namespace: Its namespace.
+            template: The pod template (``spec.containers[0]`` is run).
+            labels: Its labels.
+            annotations: Its annotations.
+            index: Its completion index (None: not an Indexed Job's).
+            on_end: Called on the loop when its container ends.
+
+        Returns:
+            The pod, not started yet.
+        """
         pod = Pod(
             name=name,
             hostname=hostname,
@@ -157,7 +179,12 @@ class Cluster:
         return pod
 
     def terminate(self, pod: Pod, grace_s: float) -> None:
-        """Delete a pod: SIGTERM, SIGKILL after ``grace_s``; one not started yet never starts."""
+        """Delete a pod: SIGTERM, SIGKILL after ``grace_s``; one not started yet never starts.
+
+        Args:
+            pod: The pod.
+            grace_s: Its termination grace period.
+        """
         if pod.proc is None:
             pod.exit_code = pod.exit_code if pod.exit_code is not None else -1
             return
@@ -165,7 +192,14 @@ class Cluster:
 
     # --- the API for tests and benchmarks ------------------------------------------------------
     def apply(self, docs: list[dict[str, Any]]) -> None:
-        """Create the objects (Services, claims, Deployments, Jobs, JobSets) and start them."""
+        """Create the objects (Services, claims, Deployments, Jobs, JobSets) and start them.
+
+        Args:
+            docs: The manifests' objects.
+
+        Raises:
+            ValueError: When a PersistentVolumeClaim has no host directory (``volumes``).
+        """
         with self._lock:
             for doc in docs:
                 kind, meta = doc.get("kind"), doc.get("metadata", {})
@@ -208,11 +242,29 @@ class Cluster:
             self._thread.start()
 
     def running(self, *, owner: str | None = None) -> list[Pod]:
+        """The pods whose container runs.
+
+        Args:
+            owner: Only those of this workload (None: all).
+
+        Returns:
+            The running pods, in creation order.
+        """
         with self._lock:
             return [p for p in self.pods if p.running and (owner is None or p.owner == owner)]
 
     def pod(self, hostname: str) -> Pod:
-        """The running pod with this hostname."""
+        """A running pod by its hostname.
+
+        Args:
+            hostname: The pod's hostname.
+
+        Returns:
+            The newest running pod with it.
+
+        Raises:
+            LookupError: When none runs.
+        """
         with self._lock:
             found = [p for p in self.pods if p.hostname == hostname and p.running]
         if not found:
@@ -220,7 +272,14 @@ class Cluster:
         return found[-1]
 
     def lose(self, pod: Pod) -> float:
-        """Lose the node of ``pod`` now (see ``Pod.lose``); returns the time.time() of it."""
+        """Lose the node of ``pod`` now (see ``Pod.lose``).
+
+        Args:
+            pod: The pod whose node is lost.
+
+        Returns:
+            When, as ``time.time()``.
+        """
         with self._lock:
             ts = time.time()
             pod.lose(self.network)
@@ -232,11 +291,25 @@ class Cluster:
     def degrade(
         self, pod: Pod, peers: list[Pod], *, delay_ms: float, loss: float, seconds: float, seed: int
     ) -> dict[str, float]:
-        """Delay every packet between ``pod`` and each of ``peers`` by ``delay_ms`` each way and
-        drop ``loss`` percent, for ``seconds`` (``link``); returns at once with ``ts`` (when it
-        began) and ``until``. Recorded as ``link_degraded`` and, when it ends, ``link_restored``
-        (with the packets forwarded and dropped). Raises OSError where it cannot (loopback
-        pods share the host's loopback: there is no link between them to degrade)."""
+        """Degrade the links between ``pod`` and each of ``peers`` for a while (``link``); returns
+        at once. Recorded as ``link_degraded`` and, when it ends, ``link_restored`` (with the
+        packets forwarded and dropped).
+
+        Args:
+            pod: One end.
+            peers: The other ends.
+            delay_ms: Added to every packet, each way.
+            loss: Percent of the packets dropped.
+            seconds: How long.
+            seed: Of the drops' random sequence.
+
+        Returns:
+            ``ts`` (when it began) and ``until``.
+
+        Raises:
+            OSError: Where it cannot (loopback pods share the host's loopback: there is no
+                link between them to degrade), or the cluster is closing.
+        """
         if self.mode != "netns":
             raise OSError(f"links can be degraded between netns pods only, not in {self.mode} mode")
         ends = [
@@ -269,7 +342,11 @@ class Cluster:
                 self.record("link_restored", **what, **link.finish(proc))
 
     def status(self) -> str | None:
-        """ "Complete" when every Job/JobSet completed, "Failed" when one failed, else None."""
+        """The workloads' outcome so far.
+
+        Returns:
+            "Complete" when every Job/JobSet completed, "Failed" when one failed, else None.
+        """
         with self._lock:
             states = [w.status for w in self.workloads]
         if "Failed" in states:
@@ -277,7 +354,17 @@ class Cluster:
         return "Complete" if states and all(s == "Complete" for s in states) else None
 
     def wait(self, timeout_s: float) -> str:
-        """Wait until every Job/JobSet is done and its pods are gone; its status."""
+        """Wait until every Job/JobSet is done and its pods are gone.
+
+        Args:
+            timeout_s: How long at most.
+
+        Returns:
+            Their ``status``.
+
+        Raises:
+            TimeoutError: When they are not done in time.
+        """
         deadline = time.monotonic() + timeout_s
         while True:
             with self._lock:
