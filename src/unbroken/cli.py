@@ -1,5 +1,5 @@
 """The ``unbroken`` umbrella CLI: reports, the dashboard, the knowledge base, fault plans,
-benchmarks, Kubernetes manifests, the goodput planner."""
+benchmarks, Kubernetes manifests, the goodput planner, the environment doctor."""
 
 from __future__ import annotations
 
@@ -226,6 +226,21 @@ def build_parser() -> argparse.ArgumentParser:
     pl = sub.add_parser("plan", help="predicted goodput per layering, checkpoint interval, spares")
     plan_cli.add_arguments(pl)
     pl.set_defaults(func=plan_cli.main)
+
+    from unbroken import doctor
+
+    dr = sub.add_parser(
+        "doctor",
+        help="check this machine before a job runs on it, and say what to fix",
+        description="Check this machine before a job runs on it: torch and its backends, "
+        "/dev/shm and memory against the staging the job needs, the checkpoint file system, "
+        "cgroups, network namespaces, ports, clocks. One line per check: ok, warn, FAIL or "
+        "skip, what was found and what to do.",
+        epilog="Exit codes: 0 nothing failed (warnings allowed), "
+        f"{doctor.EXIT_FAILED} a check failed, 2 bad input.",
+    )
+    doctor.add_arguments(dr)
+    dr.set_defaults(func=doctor.main)
 
     b = sub.add_parser("bench", help="benchmarks")
     bsub = b.add_subparsers(dest="bench", required=True)

@@ -338,6 +338,10 @@ PYTHON_EXEC = "PYTHON_EXEC"
 """The interpreter of a cold-started worker (torchrun's name; default: this one)."""
 TORCH_DISABLE_SHARE_RDZV_TCP_STORE = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
 """Set by the agent for torch: never hand workers the rendezvous store (stale peer keys)."""
+GLOO_SOCKET_IFNAME = "GLOO_SOCKET_IFNAME"
+"""The interface gloo binds (torch's; ``unbroken doctor`` reports it)."""
+CUDA_VISIBLE_DEVICES = "CUDA_VISIBLE_DEVICES"
+"""The CUDA devices a process sees (``unbroken doctor`` reports it)."""
 
 
 def lookup(name: str, default: str | None = None) -> str | None:

@@ -103,7 +103,8 @@ RULES: dict[str, tuple[str, ...]] = {
     "k8s": ("launcher",),
     "plan": ("ledger",),
     "bench": ("unbroken", *_LIBRARY, "workload", "dashboard", "kb", "k8s"),
-    "cli": ("unbroken", *_LIBRARY, "workload", "bench", "dashboard", "kb", "k8s", "plan"),
+    "doctor": ("env", "checkpoint", "faults", "k8s"),
+    "cli": ("unbroken", *_LIBRARY, "workload", "bench", "dashboard", "kb", "k8s", "plan", "doctor"),
 }
 
 # Whose docstring is not the place for the rule, and why.

@@ -82,6 +82,30 @@ def mechanism(pid: int | str = "self") -> str:
     return f"cgroup-{own[1]}" if own else "emulated"
 
 
+def probe() -> tuple[str, str]:
+    """Do what ``slow`` does to a process, short of moving one: make a child of this process's
+    cpu cgroup, put a quota on it, remove it.
+
+    Returns:
+        ("cgroup-v1" | "cgroup-v2", the child's parent directory) when that worked, else
+        ("emulated", why not): a slow-rank fault then stops and continues the process instead.
+    """
+    own = _cpu_cgroup()
+    if own is None:
+        return "emulated", "no writable cpu cgroup (v2 cpu.max or v1 cpu.cfs_quota_us) here"
+    parent, version = own
+    child = parent / f"{PREFIX}probe-{os.getpid()}"
+    try:
+        child.mkdir(exist_ok=True)
+        try:
+            _limit(child, version, 0.5)
+        finally:
+            child.rmdir()
+    except OSError as e:
+        return "emulated", f"cannot put a cpu quota on a child of {parent}: {e}"
+    return f"cgroup-{version}", str(parent)
+
+
 def _watcher(spec: dict[str, object]) -> subprocess.Popen[bytes]:
     return subprocess.Popen(
         [sys.executable, "-I", str(Path(__file__).resolve()), json.dumps(spec)],
