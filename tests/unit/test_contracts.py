@@ -39,6 +39,7 @@ SRC = Path(__file__).resolve().parents[2] / "src"
 PACKAGES = (
     "unbroken",
     "unbroken.checkpoint",
+    "unbroken.doctor",
     "unbroken.faults",
     "unbroken.k8s.emulate",
     "unbroken.kb",

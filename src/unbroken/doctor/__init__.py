@@ -51,22 +51,33 @@ class Report:
     """Every check, in order; ``exit_code`` is what ``unbroken doctor`` exits with."""
 
     checks: list[Check] = field(default_factory=list)
+    """The verdicts, in the order they ran."""
 
     @property
     def failed(self) -> list[Check]:
+        """The checks that failed."""
         return [c for c in self.checks if c.status == "fail"]
 
     @property
     def exit_code(self) -> int:
+        """``EXIT_FAILED`` when a check failed, else 0."""
         return EXIT_FAILED if self.failed else 0
 
     def to_json(self) -> str:
-        """The report for machines: ``ok`` (nothing failed), ``exit_code``, ``checks``."""
+        """The report for machines.
+
+        Returns:
+            A JSON object: ``ok`` (nothing failed), ``exit_code``, ``checks``.
+        """
         checks = [asdict(c) for c in self.checks]
         return json.dumps({"ok": not self.failed, "exit_code": self.exit_code, "checks": checks})
 
     def format(self) -> str:
-        """One line per check (status, name, what was found; what to do), then a summary."""
+        """The report for people.
+
+        Returns:
+            One line per check (status, name, what was found; what to do), then a summary.
+        """
         width = max(len(c.name) for c in self.checks)
         lines = []
         for c in self.checks:
@@ -122,7 +133,11 @@ def run(cfg: DoctorConfig) -> Report:
 
 
 def add_arguments(p: Any) -> None:
-    """The flags of ``unbroken doctor``, one per ``DoctorConfig`` field."""
+    """The flags of ``unbroken doctor``, one per ``DoctorConfig`` field.
+
+    Args:
+        p: The subcommand's argparse parser.
+    """
     p.add_argument(
         "--state-gb",
         type=float,
@@ -169,7 +184,13 @@ def add_arguments(p: Any) -> None:
 
 
 def main(args: Any) -> int:
-    """``unbroken doctor``: print the report; the exit code is ``Report.exit_code``.
+    """``unbroken doctor``: print the report.
+
+    Args:
+        args: The parsed flags (``add_arguments``).
+
+    Returns:
+        The exit code: ``Report.exit_code``.
 
     Raises:
         ValueError: a flag's value is out of range (the CLI prints it, exit code 2).

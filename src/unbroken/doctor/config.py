@@ -62,6 +62,9 @@ class DoctorConfig:
     def checkpoint_config(self) -> CheckpointConfig:
         """The Checkpointer settings the staging and the disk space are sized for.
 
+        Returns:
+            The settings, with the tier's slots (1 region without the tier) and ``keep``.
+
         Raises:
             ValueError: ``memory_slots`` or ``keep`` out of range (as the Checkpointer says).
         """
@@ -69,7 +72,11 @@ class DoctorConfig:
         return CheckpointConfig(memory_tier=self.memory_tier, memory_slots=slots, keep=self.keep)
 
     def staging_bytes(self) -> float:
-        """Shared memory this node's ranks stage into, in bytes (0 without ``state_gb``)."""
+        """Shared memory this node's ranks stage into.
+
+        Returns:
+            Bytes (0 without ``state_gb``).
+        """
         per_rank = self.state_gb * GB
         regions = self.checkpoint_config().regions
         if self.memory_tier and self.nnodes > 1:
@@ -78,7 +85,11 @@ class DoctorConfig:
 
     def checkpoint_bytes(self) -> float:
         """Disk the job's checkpoints take at most: ``keep`` committed ones and one being
-        written, of every rank of every node (the checkpoint file system is shared)."""
+        written, of every rank of every node (the checkpoint file system is shared).
+
+        Returns:
+            Bytes.
+        """
         return (self.keep + 1) * self.state_gb * GB * self.nproc_per_node * self.nnodes
 
 
@@ -87,7 +98,9 @@ class Check:
     """One check's verdict."""
 
     name: str
+    """What was checked (``CHECKS``' names)."""
     status: Status
+    """"ok", "warn", "fail" or "skip"."""
     found: str
     """What the check saw."""
     fix: str = ""
