@@ -185,6 +185,14 @@ def _share(pid: int, seconds: float) -> float:
     return (_cpu_s(pid) - a) / (time.monotonic() - t)
 
 
+def _where(pid: int) -> dict[str, str]:
+    """A process's scheduler state and cpu cgroup, for a failure's message."""
+    return {
+        "state": Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0],
+        "cgroup": Path(f"/proc/{pid}/cgroup").read_text(),
+    }
+
+
 def _leftovers() -> list[str]:
     out = []
     for base in (slowrank.ROOT / "cpu", slowrank.ROOT / "cpu,cpuacct", slowrank.ROOT):
@@ -205,12 +213,12 @@ def test_slow_caps_the_cpu_for_the_window_then_leaves_nothing(cgroup: bool) -> N
         assert done["mechanism"] == ("emulated" if not cgroup else slowrank.mechanism())
         throttled = _share(spin.pid, 1.0)
         assert throttled < 0.2, throttled  # 0.1 of a CPU (less on a busy machine)
-        time.sleep(0.8)  # the window is over
-        assert _share(spin.pid, 0.5) > 2 * throttled
+        _gone(int(str(done["watcher_pid"])))  # the window is over, the watcher cleaned up
+        after = _share(spin.pid, 0.5)
+        assert after > 2 * throttled, (after, _where(spin.pid))
         assert set(_leftovers()) == before
         if cgroup:
             assert not Path(str(done["cgroup"])).exists()
-        _gone(int(str(done["watcher_pid"])))
     finally:
         spin.kill()
         spin.wait()

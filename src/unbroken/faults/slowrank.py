@@ -177,9 +177,23 @@ def _wait(pidfd: int | None, timeout_s: float) -> bool:
     return bool(ready)
 
 
+def _unlimit(child: Path) -> None:
+    """Lift ``child``'s quota, so that nothing in it is left waiting for quota when it moves."""
+    with contextlib.suppress(OSError):
+        if (child / "cpu.cfs_quota_us").exists():
+            (child / "cpu.cfs_quota_us").write_text("-1")
+        else:
+            (child / "cpu.max").write_text(f"max {PERIOD_US}")
+
+
 def _restore(child: Path, parent: Path) -> None:
-    """Move every process of ``child`` back to ``parent``; remove ``child`` (retrying while a
-    process is still leaving it)."""
+    """Lift ``child``'s quota, move every process of it back to ``parent`` and remove it
+    (retrying while a process is still leaving it).
+
+    The quota goes first: a thread moved out of a cgroup while the kernel holds it throttled
+    there may otherwise wait for that cgroup's next refill, which never comes once the
+    cgroup is gone."""
+    _unlimit(child)
     deadline = time.monotonic() + 5.0
     while True:
         with contextlib.suppress(OSError):
