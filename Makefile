@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed-stamp
 PIP := $(PY) -m pip install -q --disable-pip-version-check -c constraints.txt
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: setup test demo lint bench soak clean browser
+.PHONY: setup test test-fast test-browser demo lint bench soak clean browser
 
 setup: $(STAMP)
 
@@ -26,8 +26,20 @@ browser:
 	  { apt-get update -q >/dev/null && apt-get install -y -q chromium >/dev/null; } || \
 	  { echo "could not install chromium: run 'apt-get install chromium' as root" >&2; exit 1; }; }
 
+# The whole suite (CI): every test but the serial ones on TEST_WORKERS processes, then the serial
+# ones (they measure time or CPU shares) alone; the slowest tests are listed at the end of each.
+TEST_WORKERS ?= 2
 test: $(STAMP) browser
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist load -m "not serial" --durations=25 tests
+	$(PY) -m pytest -q -m serial --durations=10 tests
+
+# A change's inner loop (about a minute): the unit tests that start no processes and take no seconds.
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -m "unit and not slow" --durations=10 tests
+
+# The tests that drive Chromium (installed here if missing, and only here and in make test).
+test-browser: $(STAMP) browser
+	$(PY) -m pytest -q -m browser tests
 
 demo: $(STAMP)
 	@bash scripts/demo.sh

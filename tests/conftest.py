@@ -1,4 +1,9 @@
-"""Shared fixtures: every test must leave no child processes and no unbroken threads behind."""
+"""Shared by every test: the tier markers, and no child processes or unbroken threads left behind.
+
+Tiers come from the directory (``unit``, ``distributed``, ``e2e``: ``pytest -m unit``); a test
+marks itself ``slow`` (a unit test that starts processes or takes seconds: not in
+``make test-fast``), ``browser`` (drives Chromium) or ``serial`` (measures time or CPU shares, so
+runs alone, after the parallel part of ``make test``)."""
 
 from __future__ import annotations
 
@@ -12,6 +17,16 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 from procs import children  # noqa: E402
+
+TESTS = Path(__file__).parent
+TIERS = ("unit", "distributed", "e2e")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        tier = item.path.relative_to(TESTS).parts[0]
+        if tier in TIERS:
+            item.add_marker(tier)
 
 
 @pytest.fixture(autouse=True)

@@ -10,8 +10,6 @@ import pytest
 
 from procs import Result, run
 
-pytestmark = pytest.mark.e2e
-
 
 def _bench(tmp_path: Path, *args: str) -> Result:
     """``unbroken bench recovery ARGS`` on the tiny workload into ``tmp_path``."""

@@ -7,7 +7,7 @@ import pytest
 
 from unbroken.bench import scale_rendezvous
 
-pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
+pytestmark = pytest.mark.timeout(240)
 
 
 def test_two_agents_form_lose_one_and_reform_with_the_spare() -> None:

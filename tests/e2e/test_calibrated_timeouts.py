@@ -17,8 +17,6 @@ import pytest
 from procs import run, unbroken_run_cmd
 from unbroken.ledger import read_events
 
-pytestmark = pytest.mark.e2e
-
 STEPS = 40
 HANG_STEP = 28  # after the warm-ups: 20 gaps in-process, 20 heartbeat gaps at the launcher
 OLD_DEFAULT_S = 60.0

@@ -20,8 +20,6 @@ from procs import SRC, worker_env
 from unbroken.checkpoint import Checkpointer, layout
 from unbroken.checkpoint.persisting.hooks import POINTS
 
-pytestmark = pytest.mark.e2e
-
 TESTS = Path(__file__).resolve().parents[1]
 
 TRAINER = textwrap.dedent(

@@ -5,13 +5,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import pytest
-
 from procs import VENV_BIN, final, run, train_cmd
 from unbroken.ledger import events as ev
 from unbroken.ledger import goodput, read_events
-
-pytestmark = pytest.mark.e2e
 
 
 def test_a_run_stopped_after_a_save_resumes_to_the_same_hash(tmp_path: Path) -> None:

@@ -6,12 +6,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import pytest
-
 from procs import final, run, unbroken_run_cmd, worker_env
 from unbroken.ledger import goodput, read_run
-
-pytestmark = pytest.mark.e2e
 
 PLAN = """faults:
   - {step: 6, rank: 0, kind: exception}

@@ -12,8 +12,6 @@ import pytest
 from procs import run, unbroken_run_cmd
 from unbroken.launcher import config as lconfig
 
-pytestmark = pytest.mark.e2e
-
 
 def _dashboard(*args: str):
     return run([sys.executable, "-m", "unbroken.cli", "dashboard", *args], timeout_s=60)

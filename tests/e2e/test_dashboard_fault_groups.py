@@ -14,7 +14,7 @@ from unbroken.dashboard.server import DashboardServer
 from unbroken.ledger import read_events
 from unbroken.ledger.goodput import compute
 
-pytestmark = pytest.mark.e2e
+pytestmark = pytest.mark.browser  # Debian's Chromium (make test-browser)
 
 CHROMIUM = "/usr/bin/chromium"
 

@@ -19,7 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from procs import run, unbroken_run_cmd, worker_env
 
-pytestmark = pytest.mark.e2e
+pytestmark = pytest.mark.browser  # Debian's Chromium (make test-browser)
 
 CHROMIUM = "/usr/bin/chromium"
 PLAN = """faults:

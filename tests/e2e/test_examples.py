@@ -19,8 +19,6 @@ import pytest
 from procs import run, unbroken_run_cmd, worker_env
 from unbroken.ledger import goodput, read_run
 
-pytestmark = pytest.mark.e2e
-
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "examples"
 STEPS = 40

@@ -19,7 +19,7 @@ from unbroken.ledger.events import (
     Event,
 )
 
-pytestmark = pytest.mark.e2e
+pytestmark = pytest.mark.browser  # Debian's Chromium (make test-browser)
 
 CHROMIUM = "/usr/bin/chromium"
 

@@ -19,7 +19,6 @@ from unbroken.k8s.emulate.net import netns_unavailable
 from unbroken.ledger import read_events
 
 pytestmark = [
-    pytest.mark.e2e,
     pytest.mark.skipif(netns_unavailable() is not None, reason=f"{netns_unavailable()}"),
 ]
 

@@ -7,11 +7,7 @@ import json
 import sys
 from pathlib import Path
 
-import pytest
-
 from procs import run, unbroken_run_cmd, worker_env
-
-pytestmark = pytest.mark.e2e
 
 WORKERS = Path(__file__).resolve().parents[1] / "workers_launcher"
 SCRIPT = WORKERS / "env_dump.py"

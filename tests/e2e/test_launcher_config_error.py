@@ -12,8 +12,6 @@ from procs import run, unbroken_run_cmd
 from unbroken.launcher import errors
 from unbroken.ledger import read_events
 
-pytestmark = pytest.mark.e2e
-
 WORKERS = Path(__file__).resolve().parents[1] / "workers_launcher"
 
 

@@ -13,12 +13,8 @@ import subprocess
 import time
 from pathlib import Path
 
-import pytest
-
 from procs import run, unbroken_run_cmd, worker_env
 from unbroken.ledger import read_events
-
-pytestmark = pytest.mark.e2e
 
 STEPS = 40
 BATCH = ["--batch-size", "4", "--no-inprocess"]  # the launcher's recovery, not in-process

@@ -12,8 +12,6 @@ from procs import run, train_cmd, unbroken_run_cmd, worker_env
 from unbroken.launcher import errors, slowness
 from unbroken.ledger import goodput, read_events
 
-pytestmark = pytest.mark.e2e
-
 STEPS = 24
 # The script's in-process restart layer is off: these tests are about the launcher's.
 BATCH = ["--batch-size", "4", "--no-inprocess"]

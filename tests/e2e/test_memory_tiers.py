@@ -13,8 +13,6 @@ import pytest
 from procs import run, unbroken_run_cmd
 from unbroken.ledger import goodput, read_events
 
-pytestmark = pytest.mark.e2e
-
 STEPS = 10
 ARGS = ["--batch-size", "4", "--ckpt-every", "4", "--snapshot-every", "1"]
 TIMEOUT_S = 240

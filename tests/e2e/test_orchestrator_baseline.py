@@ -10,8 +10,6 @@ from procs import final, run, train_cmd
 from unbroken.bench.orchestrator import OrchestratorConfig, run_orchestrated, train_command
 from unbroken.ledger import goodput, read_events
 
-pytestmark = pytest.mark.e2e
-
 ARGS = ["--steps", "8", "--seq-len", "32", "--batch-size", "4"]
 
 

@@ -7,12 +7,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import pytest
-
 from procs import run, unbroken_run_cmd, worker_env
 from unbroken.ledger import goodput, read_run
-
-pytestmark = pytest.mark.e2e
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "fsdp.py"
 # Phases fire on entry. The occurrences count entries on that rank over the run: restore #1 is

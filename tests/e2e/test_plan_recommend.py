@@ -18,8 +18,6 @@ from unbroken.plan.tune import (
     effective,
 )
 
-pytestmark = pytest.mark.e2e
-
 
 def test_recommend_on_a_real_run(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"

@@ -14,8 +14,6 @@ from procs import run as run_cmd
 from unbroken.ledger import goodput, read_events
 from workers.launch import Rank, describe, launch
 
-pytestmark = pytest.mark.e2e
-
 STEPS = 8
 WORKER = "restart_worker.py"
 

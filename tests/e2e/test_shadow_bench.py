@@ -13,8 +13,6 @@ import pytest
 
 from procs import Result, run
 
-pytestmark = pytest.mark.e2e
-
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "examples"
 WORKERS = ROOT / "tests" / "workers_launcher"

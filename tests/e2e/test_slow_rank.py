@@ -22,11 +22,10 @@ from unbroken.dashboard.runs import RunSet
 from unbroken.faults import slowrank
 from unbroken.ledger import goodput, read_events
 
-pytestmark = pytest.mark.e2e
-
 STEPS, AT_STEP, WINDOW_S, CPU = 70, 25, 5.0, 0.2
 ARGS = ["--batch-size", "4"]
 TIMEOUT_S = 240
+pytestmark = pytest.mark.serial  # a CPU share: other tests beside it would be stragglers too
 
 
 def _run(run_dir: Path, plan: Path | None) -> list[str]:

@@ -11,8 +11,6 @@ import pytest
 from procs import run, unbroken_run_cmd
 from unbroken.ledger import goodput, read_events
 
-pytestmark = pytest.mark.e2e
-
 STEPS = 24
 ARGS = ["--batch-size", "4", "--no-inprocess", "--ckpt-every", "4"]
 TIMEOUT_S = 240

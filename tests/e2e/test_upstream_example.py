@@ -27,8 +27,6 @@ from procs import run, unbroken_run_cmd, worker_env
 from unbroken.checkpoint import state_sha256
 from unbroken.ledger import goodput, read_run
 
-pytestmark = pytest.mark.e2e
-
 HERE = Path(__file__).resolve().parents[2] / "examples" / "upstream" / "fsdp2"
 STEPS = 10  # the example's own loop
 MARGIN = 0.05

@@ -56,6 +56,7 @@ def test_the_stand_in_heartbeat_is_the_clients_datagram() -> None:
     }
 
 
+@pytest.mark.slow
 def test_the_real_agent_detects_the_silent_stand_in() -> None:
     row = scale_heartbeat.measure(16, period_s=0.2, timeout_s=0.8)
     assert row["detected_right_rank"] and row["detected_ranks"] == [8]
@@ -77,6 +78,7 @@ def test_the_report_curve_checks_folded_against_unfolded() -> None:
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.slow
 def test_the_spawn_curve_starts_workers_from_the_warm_pool_and_cold() -> None:
     # In a child interpreter: the curve makes its process a subreaper (as the agent is).
     code = (

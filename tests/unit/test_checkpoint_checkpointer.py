@@ -113,6 +113,7 @@ def test_a_checkpoint_holds_the_values_at_save_time(
     assert (load.get("step"), load.get("tier")) == (7, "disk")
 
 
+@pytest.mark.slow
 def test_skip_policy_drops_a_save_while_one_persists_and_wait_blocks(tmp_path: Path) -> None:
     led = Ledger(tmp_path, run="t", rank=0)
     big = {"w": torch.randn(1 << 20)}  # 4 MiB at 8 MB/s: ~0.5 s to persist
@@ -254,6 +255,7 @@ def test_the_resolve_cache_gives_what_dcp_gives_and_relearns(tmp_path: Path) -> 
 
 
 @pytest.mark.parametrize("start", ["fork", "spawn"])
+@pytest.mark.slow
 def test_either_writer_start_saves_and_restores(tmp_path: Path, start: str) -> None:
     model, optim = _model(0)
     train_step(model, optim)
@@ -288,6 +290,7 @@ def test_a_writer_without_hooks_reads_no_fault_control_file(tmp_path: Path) -> N
 
 
 @pytest.mark.parametrize("start", ["fork", "spawn"])
+@pytest.mark.slow
 def test_injected_hooks_reach_the_writer(tmp_path: Path, start: str) -> None:
     """The hooks are pickled to the writer process (forked or spawned), which calls them."""
     used = _slow_storage_fault(tmp_path / "ckpt")

@@ -8,6 +8,8 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
+
 _PRELUDE = """
 import importlib.abc, importlib.util, logging, os, sys, threading, time
 import torch
@@ -108,12 +110,14 @@ def _run(tmp_path: Path, body: str) -> str:
     return proc.stdout
 
 
+@pytest.mark.slow
 def test_a_writer_forked_while_another_thread_imports_what_it_needs_works(
     tmp_path: Path,
 ) -> None:
     assert "latest 0" in _run(tmp_path, _IMPORTING)
 
 
+@pytest.mark.slow
 def test_a_writer_forked_while_threads_hold_the_logging_and_stderr_locks_logs(
     tmp_path: Path,
 ) -> None:

@@ -61,7 +61,7 @@ def test_a_killed_served_writer_reports_its_signal_and_the_next_one_forks(tmp_pa
         ck.wait()
         first = ck.writer_pid
         assert first is not None
-        client = ck._inflight.writer
+        client = ck._saves.inflight.writer
         assert client is not None
         ck.abort()  # SIGKILLs the writer
         assert client.proc.wait(timeout=5.0) == -signal.SIGKILL
@@ -94,6 +94,7 @@ def test_a_server_that_is_gone_leaves_writers_forking_from_the_trainer(tmp_path:
     assert ck.latest() == 0
 
 
+@pytest.mark.slow
 def test_the_server_and_its_writers_die_with_the_trainer(tmp_path: Path) -> None:
     script = textwrap.dedent(
         f"""

@@ -109,10 +109,12 @@ def _restore_and_compare(tmp_path: Path, parallel: str) -> None:
     memory.take((tmp_path / "ckpt").resolve()).close()  # type: ignore[union-attr]
 
 
+@pytest.mark.slow
 def test_a_fresh_optimizer_gets_the_snapshot_bit_for_bit(tmp_path: Path) -> None:
     _restore_and_compare(tmp_path, "none")
 
 
+@pytest.mark.slow
 def test_fsdp2_dtensor_state_is_made_like_its_parameters(gloo_group: None, tmp_path: Path) -> None:
     _restore_and_compare(tmp_path, "fsdp")
     model, optim = _build("fsdp")
@@ -134,6 +136,7 @@ def test_an_optimizer_with_state_keeps_dcps_path(tmp_path: Path) -> None:
     memory.take((tmp_path / "ckpt").resolve()).close()  # type: ignore[union-attr]
 
 
+@pytest.mark.slow
 def test_a_custom_optimizer_over_dtensors_keeps_dcps_path(gloo_group: None, tmp_path: Path) -> None:
     class MyAdam(torch.optim.AdamW):
         pass
@@ -183,6 +186,7 @@ def test_parameters_in_another_order_are_mapped_by_name(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("parallel", ["none", "fsdp"])
+@pytest.mark.slow
 def test_a_disk_restore_makes_the_state_the_same_way(
     gloo_group: None, tmp_path: Path, parallel: str
 ) -> None:
@@ -222,6 +226,7 @@ def _pooled_restore(tmp_path: Path, size: int | None) -> tuple[Any, Any, freshop
     return ref, fresh, pool
 
 
+@pytest.mark.slow
 def test_the_state_is_carved_from_the_warmed_pool_one_storage_per_tensor(tmp_path: Path) -> None:
     _, (_, optim), pool = _pooled_restore(tmp_path, None)
     tensors = [v for st in optim.state.values() for k, v in st.items() if k != "step"]
@@ -234,12 +239,14 @@ def test_the_state_is_carved_from_the_warmed_pool_one_storage_per_tensor(tmp_pat
     assert buf.tell() < big.numel() * big.element_size() + 4096
 
 
+@pytest.mark.slow
 def test_a_pool_too_small_leaves_the_rest_to_fresh_memory(tmp_path: Path) -> None:
     _, (_, optim), pool = _pooled_restore(tmp_path, 4096)
     tensors = [v for st in optim.state.values() for k, v in st.items() if k != "step"]
     assert 0 < pool.carved < len(tensors)
 
 
+@pytest.mark.slow
 def test_load_hooks_keep_the_full_load(tmp_path: Path) -> None:
     ref = _build("none")
     _train(*ref, steps=3, seed=1)

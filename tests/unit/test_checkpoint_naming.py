@@ -96,6 +96,7 @@ def test_a_wrapper_below_the_root_is_left_to_dcp() -> None:
     assert naming.model_tensors(model) is None
 
 
+@pytest.mark.slow
 def test_names_that_do_not_fit_the_snapshot_fall_back_to_dcp(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

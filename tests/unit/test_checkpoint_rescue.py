@@ -136,14 +136,14 @@ def test_a_model_with_buffers_is_never_noted(tmp_path: Path) -> None:
     state = {"model": model, "optim": optim}
     ck = Checkpointer(tmp_path / "ckpt", every_steps=100, snapshot_every=3, overlap=True)
     assert not ck.note(0, state)  # nothing resolved yet
-    assert ck._notes.refused == "no save has been resolved yet"
+    assert ck._saves.notes.refused == "no save has been resolved yet"
     for step in range(4):
         model(torch.randn(8, 16)).pow(2).sum().backward()
         optim.step()
         optim.zero_grad()
         ck.maybe_save(step, state)
     assert not ck.note(3, state)
-    assert "buffers" in ck._notes.refused
+    assert "buffers" in ck._saves.notes.refused
     model(torch.randn(8, 16))  # BatchNorm's running statistics change, no version bump
     ck.abort()
     with Checkpointer(tmp_path / "ckpt") as ck2:

@@ -212,6 +212,7 @@ def _fsdp_state(seed: int) -> dict[str, Any]:
     return {"model": model, "optim": optim, "data": Cursor()}
 
 
+@pytest.mark.slow
 def test_the_model_after_an_in_process_restart_reuses_items_from_its_first_save() -> None:
     """What an in-process restart does: a new process group, a new FSDP2 model and a new
     Checkpointer's cache. Its first save makes no write item anew (each is the one the

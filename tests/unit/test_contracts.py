@@ -436,6 +436,7 @@ def history_problems(root: Path) -> list[str]:
     return problems
 
 
+@pytest.mark.slow
 def test_src_states_no_history_and_no_figures() -> None:
     problems = history_problems(SRC)
     assert problems == [], "\n".join(problems)

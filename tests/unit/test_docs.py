@@ -239,6 +239,7 @@ def _help_invocations() -> list[tuple[str, ...]]:
 
 
 @pytest.mark.parametrize("prog", _help_invocations(), ids=" ".join)
+@pytest.mark.slow
 def test_every_shown_program_answers_help(
     prog: tuple[str, ...], capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -63,11 +63,13 @@ def site(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
+@pytest.mark.slow
 def test_the_site_builds_strict(site: Path) -> None:
     for page in ("index.html", "getting-started/index.html", "troubleshooting/index.html"):
         assert (site / page).is_file(), page
 
 
+@pytest.mark.slow
 def test_the_cli_reference_is_every_parser(site: Path) -> None:
     """The hook rendered the help of every ``unbroken`` subcommand and of ``unbroken-run``."""
     spec = importlib.util.spec_from_file_location(
@@ -91,6 +93,7 @@ def test_the_cli_reference_is_every_parser(site: Path) -> None:
     assert "usage: python -m unbroken.workload.train" in html or "--ckpt-every" in html
 
 
+@pytest.mark.slow
 def test_the_api_reference_is_generated(site: Path) -> None:
     html = (site / "api" / "unbroken" / "index.html").read_text()
     for name in ("unbroken.Checkpointer", "unbroken.run", "unbroken.RestartContext"):

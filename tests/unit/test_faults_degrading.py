@@ -202,6 +202,8 @@ def _leftovers() -> list[str]:
 
 
 @pytest.mark.parametrize("cgroup", [True, False], ids=["cgroup", "emulated"])
+@pytest.mark.slow
+@pytest.mark.serial
 def test_slow_caps_the_cpu_for_the_window_then_leaves_nothing(cgroup: bool) -> None:
     if cgroup and slowrank.mechanism() == "emulated":
         pytest.skip("no cpu cgroup can be made here")
@@ -239,6 +241,7 @@ def _gone(pid: int, timeout_s: float = 5.0) -> None:
 
 
 @pytest.mark.parametrize("cgroup", [True, False], ids=["cgroup", "emulated"])
+@pytest.mark.serial
 def test_the_watcher_cleans_up_at_once_when_the_rank_dies(cgroup: bool) -> None:
     if cgroup and slowrank.mechanism() == "emulated":
         pytest.skip("no cpu cgroup can be made here")

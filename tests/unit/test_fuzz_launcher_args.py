@@ -76,6 +76,7 @@ def _nproc(argv: list[str]) -> list[str]:
 
 @FUZZ
 @given(argvs)
+@pytest.mark.slow
 def test_parse_raises_only_value_error_or_usage_exit(argv: list[str]) -> None:
     try:
         spec, cfg, _ = largs.parse(_nproc(argv))
@@ -110,6 +111,7 @@ configs = st.dictionaries(
 
 @FUZZ
 @given(configs | yaml_values)
+@pytest.mark.slow
 def test_ft_config_raises_only_value_error(
     tmp_path_factory: pytest.TempPathFactory, obj: object
 ) -> None:

@@ -49,6 +49,7 @@ manifests = st.one_of(
 
 @FUZZ
 @given(manifests, st.booleans() | json_values | st.binary(max_size=20))
+@pytest.mark.slow
 def test_verify_never_raises(
     tmp_path_factory: pytest.TempPathFactory, manifest: bytes, marker: object
 ) -> None:

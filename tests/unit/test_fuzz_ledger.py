@@ -54,6 +54,7 @@ def _line(obj: object) -> bytes:
 
 @FUZZ
 @given(st.one_of(st.binary(max_size=64), records.map(_line), json_values.map(_line)))
+@pytest.mark.slow
 def test_parse_line_raises_only_value_error(line: bytes) -> None:
     try:
         event = parse_line(line)
@@ -92,6 +93,7 @@ def test_lines_that_are_not_records_are_bad_lines(tmp_path: Path, line: bytes, c
 
 @settings(FUZZ, max_examples=50)
 @given(st.lists(st.one_of(records.map(_line), st.binary(max_size=16)), min_size=1, max_size=8))
+@pytest.mark.slow
 def test_report_never_raises(tmp_path_factory: pytest.TempPathFactory, lines: list[bytes]) -> None:
     run_dir = tmp_path_factory.mktemp("run")
     (run_dir / "events").mkdir()

@@ -73,6 +73,7 @@ plans = st.one_of(
 
 @FUZZ
 @given(plans, st.none() | st.integers(0, 4))
+@pytest.mark.slow
 def test_parse_plan_raises_only_value_error(obj: object, world_size: int | None) -> None:
     try:
         plan = parse_plan(obj, world_size=world_size)
@@ -89,6 +90,7 @@ def test_parse_plan_raises_only_value_error(obj: object, world_size: int | None)
 
 @settings(FUZZ, max_examples=100)
 @given(st.text(max_size=80) | plans.map(lambda o: yaml.safe_dump(o, allow_unicode=True)))
+@pytest.mark.slow
 def test_faults_show_never_raises(tmp_path_factory: pytest.TempPathFactory, text: str) -> None:
     path = tmp_path_factory.mktemp("plan") / "plan.yaml"
     path.write_text(text)

@@ -44,6 +44,7 @@ values = st.one_of(
 
 @settings(max_examples=300, deadline=None, derandomize=True)
 @given(st.lists(st.tuples(st.sampled_from(NUMERIC), values), max_size=4))
+@pytest.mark.slow
 def test_numeric_flags_parse_or_exit_2(pairs: list[tuple[str, str]]) -> None:
     argv = [f"{flag}={value}" for flag, value in pairs]
     try:
@@ -73,6 +74,7 @@ def test_a_usage_error_under_a_launcher_exits_with_the_config_code(
     assert e.value.code == EXIT_CONFIG
 
 
+@pytest.mark.slow
 def test_flags_that_contradict_each_other_end_the_script_with_the_config_code(
     tmp_path: Path,
 ) -> None:

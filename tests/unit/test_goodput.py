@@ -506,6 +506,7 @@ def test_partition_invariant_random(seed):
     assert compute(events).to_dict() == r.to_dict()
 
 
+@pytest.mark.slow
 def test_large_run_is_fast_enough():
     # 100k records: the sweep must be O(n log n); a quadratic one would time out.
     events = []

@@ -82,6 +82,7 @@ def test_the_heartbeat_carries_the_newest_committed_step(
         agent.close()
 
 
+@pytest.mark.slow
 def test_a_failed_iteration_aborts_the_checkpointers_it_left_open(tmp_path: Path) -> None:
     older = Checkpointer(tmp_path / "older")
     before = set(open_checkpointers())
@@ -148,6 +149,7 @@ unbroken.main(train, config=unbroken.RestartConfig(max_iterations=1))
 
 
 @pytest.mark.parametrize("fail", [False, True])
+@pytest.mark.slow
 def test_main_exits_with_the_launchers_code(tmp_path: Path, fail: bool) -> None:
     env = dict(os.environ, PYTHONPATH=str(SRC), OMP_NUM_THREADS="1")
     for name in [k for k in env if k.startswith(("UNBROKEN_", "TORCHELASTIC_", "MASTER_"))]:
@@ -205,6 +207,7 @@ unbroken.main(train, config=unbroken.RestartConfig(soft_timeout_s=0.3, max_itera
 """
 
 
+@pytest.mark.slow
 def test_a_long_final_commit_is_no_hang(tmp_path: Path) -> None:
     """A user's ``ckpt.close()`` after the loop, as in the README's example, waits for the
     last save's commit longer than the soft timeout: neither the watchdog (a hang would

@@ -115,6 +115,7 @@ def test_packets_are_delayed_each_way_then_the_link_is_whole_again(
 
 
 @netns
+@pytest.mark.slow
 def test_loss_drops_packets_and_tcp_resends_them(pods: tuple[PodNet, PodNet]) -> None:
     a, b = pods
     echo = Echo(a, b)

@@ -9,9 +9,12 @@ import subprocess
 import sys
 from datetime import timedelta
 
+import pytest
+
 from procs import worker_env
 
 
+@pytest.mark.slow
 def test_store_serves_clients_and_exits_0_on_sigterm() -> None:
     import torch.distributed as dist
 

@@ -154,6 +154,7 @@ def test_jobset_is_checked_against_its_crd_and_its_child_job() -> None:
     assert any("find each other by name" in str(p) for p in validate.validate_docs(js))
 
 
+@pytest.mark.slow
 def test_validate_cli_exit_codes(tmp_path: Path) -> None:
     good, bad = tmp_path / "good.yaml", tmp_path / "bad.yaml"
     good.write_text(render.to_yaml(_docs(), file="good.yaml"))

@@ -117,6 +117,7 @@ def test_bad_input(tmp_path: Path, kb: KnowledgeBase) -> None:
         KnowledgeBase(tmp_path / "none.sqlite", create=False)
 
 
+@pytest.mark.slow
 def test_cli(tmp_path: Path) -> None:
     d = _run(tmp_path, "cli-run", mode="async", every=5, faults=faulty_run()[0:0])
     db = str(tmp_path / "cli.sqlite")

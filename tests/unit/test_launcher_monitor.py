@@ -292,6 +292,8 @@ def test_a_silent_node_that_waits_is_hung_at_the_timeout() -> None:
     assert h.runnable is None
 
 
+@pytest.mark.slow
+@pytest.mark.serial
 def test_proc_runnable_s_counts_time_running_and_waiting_for_a_cpu(tmp_path: Path) -> None:
     """A process computing is runnable all the time, even when it waits for a CPU most of it;
     a sleeping one is not. Real processes: a spin loop among more spin loops than CPUs, and a

@@ -156,6 +156,7 @@ _AGENT_STANDBY = textwrap.dedent(
 
 
 @pytest.mark.parametrize("kill", ["none", "kill"])
+@pytest.mark.slow
 def test_a_restart_takes_standbys_that_run_as_workers_and_end_with_the_pool(
     tmp_path: Path, kill: str
 ) -> None:

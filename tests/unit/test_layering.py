@@ -325,6 +325,7 @@ def private_imports(src_root: Path, package: str) -> list[str]:
     return sorted(set(out))
 
 
+@pytest.mark.slow
 def test_no_private_name_crosses_a_module_boundary_in_checkpoint() -> None:
     assert private_imports(SRC, CHECKPOINT) == []
 

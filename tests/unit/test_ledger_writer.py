@@ -136,6 +136,7 @@ def test_sigkill_loses_at_most_the_last_moments(tmp_path: Path) -> None:
     assert res.events[-1].ts >= killed_at - 0.3
 
 
+@pytest.mark.slow
 def test_sigterm_is_prompt_while_the_main_thread_is_blocked_in_native_code(
     tmp_path: Path,
 ) -> None:

@@ -90,6 +90,7 @@ def test_metrics_listen_on_loopback_for_a_job_on_this_machine_alone() -> None:
     assert host("--standalone", "--ft-metrics-host", "0.0.0.0") == "0.0.0.0"
 
 
+@pytest.mark.slow
 def test_the_restart_store_server_listens_on_loopback_only() -> None:
     from unbroken.restart.store import StoreHost, bind_host, spawn_server
 

@@ -3,7 +3,10 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
 
+
+@pytest.mark.slow
 def test_public_api_resolves_and_import_is_light() -> None:
     code = (
         "import sys, unbroken\n"

@@ -159,7 +159,7 @@ def _saved_checkpointer(root: Path) -> Checkpointer:
 
 
 def _assert_stopped(ckpt: Checkpointer, pid: int, fds_before: set[str]) -> None:
-    assert ckpt._closed
+    assert ckpt.closed
     assert not Path(f"/proc/{pid}").exists(), "the writer process is still there (or a zombie)"
     readers = [t.name for t in threading.enumerate() if t.name.startswith("unbroken-ckpt-reader")]
     assert readers == []

@@ -21,6 +21,7 @@ def _state_bytes(model: torch.nn.Module) -> bytes:
     return buf.getvalue()
 
 
+@pytest.mark.slow
 def test_param_counts() -> None:
     assert 0.5e6 <= count_params(build_model(get_config("tiny"), seed=0)) <= 2e6
     small = build_model(get_config("small"), seed=0, device="meta")
@@ -101,6 +102,7 @@ def test_forward_is_causal() -> None:
     assert not torch.allclose(a[:, 10:], b[:, 10:], atol=1e-3)
 
 
+@pytest.mark.slow
 def test_tiny_model_learns_markov_language() -> None:
     config = get_config("tiny")
     model = build_model(config, seed=0)

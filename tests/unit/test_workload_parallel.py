@@ -20,6 +20,7 @@ def gloo_group() -> Iterator[None]:
 
 
 @pytest.mark.parametrize("parallel", ["fsdp", "ddp"])
+@pytest.mark.slow
 def test_wrap_model_trains_one_step(gloo_group: None, parallel: str) -> None:
     reference = build_model(CONFIG, seed=0)
     model = wrap_model(build_model(CONFIG, seed=0), parallel=parallel, device="cpu")

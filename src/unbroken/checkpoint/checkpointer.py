@@ -59,16 +59,12 @@ from unbroken.checkpoint.config import (
     overridden,
 )
 from unbroken.checkpoint.persisting.hooks import WriterHooks, offered
-from unbroken.checkpoint.persisting.inflight import CheckpointStats, Inflight
+from unbroken.checkpoint.persisting.inflight import CheckpointStats
 from unbroken.checkpoint.restoring.restore import restore_recorded
-from unbroken.checkpoint.save import note, stage
+from unbroken.checkpoint.save import Saves
 from unbroken.checkpoint.schedule.adaptive import AdaptiveSaves
-from unbroken.checkpoint.staging.rescue import Notes
-from unbroken.checkpoint.state.extras import StateExtras
-from unbroken.checkpoint.state.resolve import ResolveCache
 from unbroken.checkpoint.tiers import tiers
 from unbroken.ledger import NULL, Recorder, owner, phases
-from unbroken.ledger import events as ev
 from unbroken.ledger.active import current as active_ledger
 from unbroken.mask import masked
 
@@ -82,7 +78,7 @@ _created: weakref.WeakSet[Checkpointer] = weakref.WeakSet()
 def open_checkpointers() -> list[Checkpointer]:
     """This process's Checkpointers not yet closed or aborted (``unbroken.run`` aborts those a
     failed iteration left open, and reports their newest commit in the launcher heartbeat)."""
-    return [c for c in _created if not c._closed]
+    return [c for c in _created if not c.closed]
 
 
 class Checkpointer:
@@ -163,31 +159,25 @@ class Checkpointer:
         job = self.run or (
             f"process {socket.gethostname()}:{os.getpid()}" if self.world_size == 1 else "unnamed"
         )
-        self._hooks = hooks if hooks is not None else offered(self.root)  # the fault plan's
-        self._stats = CheckpointStats()
-        self._inflight = Inflight(
-            root=self.root,
-            rank=self.rank,
-            world_size=self.world_size,
-            config=self.config,
-            recorder=self._ledger,
-            stats=self._stats,
-        )
-        self._last_step: int | None = None
-        self._cache = ResolveCache()
-        self._notes = Notes()
-        self._extras = StateExtras(self.config)  # the generators; the state for the digest
-        self._closed = False
         # Before the writer and the arena exist: nothing of another job's is touched.
         self._claim = owner.claim(self.root, job=job, takeover=True)
-        self._staging, self._adopted_from, self._replica = tiers.staging_for(
+        staging, self._adopted_from, self._replica = tiers.staging_for(
             self.root, self.config, rank=self.rank
         )
-        self._adopted = self._staging.arena if self._adopted_from else None
-        self._persisting_region: int | None = None
+        self._adopted = staging.arena if self._adopted_from else None
+        self._saves = Saves(
+            root=self.root,
+            config=self.config,
+            rank=self.rank,
+            world_size=self.world_size,
+            run=self.run,
+            ledger=self._ledger,
+            hooks=hooks if hooks is not None else offered(self.root),  # the fault plan's
+            staging=staging,
+        )
         self._adaptive = AdaptiveSaves.of(self.root, self.config, self._ledger, self.rank)
         if self.config.eager_writer:
-            self._inflight.start_writer(self._hooks)
+            self._saves.inflight.start_writer(self._saves.hooks)
         _created.add(self)
 
     # --- public API --------------------------------------------------------------------------
@@ -206,11 +196,11 @@ class Checkpointer:
             CheckpointError: When an earlier save failed, or the Checkpointer is closed.
         """
         adaptive = self._adaptive
-        if self.config.due(step) if adaptive is None else adaptive.due(step, self._stats):
+        if self.config.due(step) if adaptive is None else adaptive.due(step, self._saves.stats):
             t0 = time.time()
             staged = self.save(step, state)
             if adaptive is not None:
-                adaptive.saved(step, blocking_s=time.time() - t0, stats=self._stats)
+                adaptive.saved(step, blocking_s=time.time() - t0, stats=self._saves.stats)
             return staged
         if self.config.snapshot_due(step):
             return self.snapshot(step, state)
@@ -233,7 +223,7 @@ class Checkpointer:
             CheckpointError: When an earlier save failed, the Checkpointer is closed, or (sync)
                 this save failed.
         """
-        return self._stage(step, state, durable=True)
+        return self._saves.save(step, state, durable=True)
 
     def snapshot(self, step: int, state: Mapping[str, Any]) -> bool:
         """Snapshot ``state`` as ``step`` in memory only (the memory tier; nothing persisted):
@@ -253,7 +243,7 @@ class Checkpointer:
         """
         if not self.config.memory_tier:
             raise ValueError("snapshot() needs memory_tier=True (a snapshot is held in memory)")
-        return self._stage(step, state, durable=False)
+        return self._saves.save(step, state, durable=False)
 
     def note(self, step: int, state: Mapping[str, Any]) -> bool:
         """Note completed ``step`` without staging it (memory tier): an ``abort`` unwinding
@@ -267,23 +257,13 @@ class Checkpointer:
             True when noted; False without the memory tier or ``rescue``, once closed, or
             when the state cannot be rescued (before the first save, a model with buffers).
         """
-        return note(self, step, state)
-
-    def _stage(self, step: int, state: Mapping[str, Any], *, durable: bool) -> bool:
-        with phases.region("save") if durable else contextlib.nullcontext():
-            return stage(self, step, state, durable=durable)
+        return self._saves.note(step, state)
 
     def wait_staged(self) -> None:
         """Block until the in-flight snapshot is fully copied (only ever waits with
         ``overlap``). Call before changing parameters or optimizer state other than through
         ``optimizer.step`` of an optimizer in the state."""
-        if self._staging.copying:
-            t0 = time.time()
-            self._staging.wait()
-            end = self._blocked(t0, self._last_step, "overlap")
-            if self._stats.stall_s:
-                self._stats.stall_s[-1] += end - t0
-        self._inflight.wait_staged()
+        self._saves.wait_staged()
 
     def wait(self) -> None:
         """Block until the in-flight save is committed (on every rank: rank 0 commits, the
@@ -292,16 +272,7 @@ class Checkpointer:
         Raises:
             CheckpointError: When it failed, or the Checkpointer is closed.
         """
-        self._check()
-        self.wait_staged()
-        inflight = self._inflight.current
-        if inflight is None:
-            return
-        with node.waiting():  # no progress, for a known reason (``node``)
-            self._inflight.wait_done()
-            if self.rank != 0 and inflight.outcome == "persisted":
-                self._inflight.wait_commit_on_disk(inflight)
-        self._check()
+        self._saves.wait()
 
     def close(self) -> None:
         """Wait for the in-flight save to be committed, then stop the writer. Idempotent.
@@ -310,7 +281,7 @@ class Checkpointer:
         Raises:
             CheckpointError: When the last save failed (the writer is stopped all the same).
         """
-        if self._closed:
+        if self._saves.closed:
             return
         named = "shutdown" in phases.active()
         with contextlib.nullcontext() if named else phases.region("shutdown"):
@@ -318,7 +289,7 @@ class Checkpointer:
 
     def _close(self) -> None:
         try:
-            if not self._inflight.fatal:
+            if not self._saves.inflight.fatal:
                 self.wait()
         except Exception:
             self._stop()
@@ -326,11 +297,11 @@ class Checkpointer:
         except BaseException:
             self.abort()
             raise
-        self._extras.record_digest(self._ledger, self._last_step)
+        self._saves.extras.record_digest(self._ledger, self._saves.last_step)
         self._stop()
-        fatal = self._inflight.fatal
-        if fatal and not self._inflight.fatal_raised:
-            self._inflight.fatal_raised = True
+        fatal = self._saves.inflight.fatal
+        if fatal and not self._saves.inflight.fatal_raised:
+            self._saves.inflight.fatal_raised = True
             raise CheckpointError(fatal)
 
     def restore(self, state: Mapping[str, Any]) -> int | None:
@@ -351,18 +322,18 @@ class Checkpointer:
                 checking, or the newest sound checkpoint does not fit ``state`` (another model)
                 or another run wrote it (without ``allow_foreign``).
         """
-        if self._closed:
+        if self._saves.closed:
             raise CheckpointError("restore() on a closed Checkpointer")
         with phases.region("restore"):
             return self._restore(state)
 
     def _restore(self, state: Mapping[str, Any]) -> int | None:
-        t0, state = time.time(), self._extras.full(state)
+        t0, state = time.time(), self._saves.extras.full(state)
         arena, self._adopted = self._adopted, None
         step, held, why = tiers.restore_recorded(
             state,
             arena,
-            staging=self._staging,
+            staging=self._saves.staging,
             root=self.root,
             rank=self.rank,
             world_size=self.world_size,
@@ -371,7 +342,7 @@ class Checkpointer:
             begin=t0,
         )
         if step is None:
-            self._staging.retain(None)  # what memory held is of another timeline now
+            self._saves.staging.retain(None)  # what memory held is of another timeline now
             step = restore_recorded(
                 state,
                 root=self.root,
@@ -383,7 +354,7 @@ class Checkpointer:
                 memory=held,
                 why=why,
             )
-        self._last_step = step
+        self._saves.last_step = step
         return step
 
     def resume(self, state: Mapping[str, Any]) -> int:
@@ -413,7 +384,7 @@ class Checkpointer:
     @property
     def last_committed(self) -> int | None:
         """Newest step this Checkpointer saw committed (rank 0 only: it commits), else None."""
-        return self._inflight.last_committed
+        return self._saves.inflight.last_committed
 
     def stats(self) -> CheckpointStats:
         """This Checkpointer's counters.
@@ -421,17 +392,22 @@ class Checkpointer:
         Returns:
             A copy that later saves do not change.
         """
-        return self._stats.copy()
+        return self._saves.stats.copy()
+
+    @property
+    def closed(self) -> bool:
+        """True once closed or aborted."""
+        return self._saves.closed
 
     @property
     def staging_bytes(self) -> int:
         """Bytes of shared staging memory this rank holds for its snapshots (0: none yet)."""
-        return self._staging.size
+        return self._saves.staging.size
 
     @property
     def writer_pid(self) -> int | None:
         """Pid of this rank's writer process, or None before it is started."""
-        return self._inflight.writer.pid if self._inflight.writer else None
+        return self._saves.inflight.writer.pid if self._saves.inflight.writer else None
 
     def __enter__(self) -> Checkpointer:
         return self
@@ -452,34 +428,27 @@ class Checkpointer:
         """Stop the writer now, without waiting for the in-flight save (it is lost, never
         half-visible). For error paths; idempotent, and a no-op after ``close``. Masked
         (``unbroken.mask``): a restart interrupt waits for it to complete."""
-        if self._closed:
+        if self._saves.closed:
             return
         if self.config.memory_tier and self.config.rescue:  # the noted step, if unchanged
-            self._notes.rescue(self._last_step, self._cache.plan, self._stage, self._staging.wait)
-        self._closed = True
-        self._inflight.kill_writer()
+            self._saves.notes.rescue(
+                self._saves.last_step,
+                self._saves.cache.plan,
+                self._saves.save,
+                self._saves.staging.wait,
+            )
+        self._saves.closed = True
+        self._saves.inflight.kill_writer()
         try:
             self._shutdown(keep_snapshot=self.config.memory_tier)
         except Exception:  # already unwinding from another error: do not mask it
             logger.exception("stopping the checkpoint writer")
 
     # --- internals ---------------------------------------------------------------------------
-    def _blocked(self, t0: float, step: int | None, part: str) -> float:
-        """Record ``[t0, now]`` as the trainer blocked by ``part`` of a save; returns now."""
-        end = time.time()
-        self._stats.blocking_s += end - t0
-        self._ledger.interval(ev.CKPT_STAGE, begin=t0, end=end, step=step, part=part)
-        return end
-
-    def _check(self) -> None:
-        if self._closed:
-            raise CheckpointError("this Checkpointer is closed")
-        self._inflight.check()
-
     @masked
     def _stop(self) -> None:
         """``close``'s end, after the wait: closed, the writer stopped, the arena freed."""
-        self._closed = True
+        self._saves.closed = True
         self._shutdown()
 
     def _shutdown(self, *, keep_snapshot: bool = False) -> None:
@@ -488,8 +457,8 @@ class Checkpointer:
         try:
             if self._replica is not None:
                 self._replica.close()
-            self._staging.stop(keep_for=self.root if keep_snapshot else None)
-            self._inflight.close()
-            self._staging.close()
+            self._saves.staging.stop(keep_for=self.root if keep_snapshot else None)
+            self._saves.inflight.close()
+            self._saves.staging.close()
         finally:
             self._claim.release()

@@ -1,32 +1,37 @@
-"""One save, snapshot or note of a ``Checkpointer``, from the trainer's call to the hand-off.
+"""A Checkpointer's save side (``Saves``): its parts, and one save, snapshot or note through them.
 
-``stage`` is the body of ``Checkpointer.save`` and ``snapshot``, ``note`` that of
-``Checkpointer.note`` (the rescue's record of a step: ``rescue``), kept apart so that each file
-reads in one sitting; it works on the Checkpointer's parts. In order: the previous save's
-overlapped copy is waited for; a save while the previous one persists is skipped (``on_busy``
-"skip": with the memory tier it is still a snapshot) or waits for it; the state is resolved
-into write items (``resolve``), the arena prepared and a region taken (``staging``), what may
-change before ``optimizer.step`` copied now and the rest after, on the stager thread
-(``overlap``); a durable save is then handed to the writer process (``inflight``), and the
-blocking time is recorded as a ``ckpt_stage`` interval.
+``Checkpointer`` is the API; ``Saves`` owns what a save passes through, from the trainer's
+call to the hand-off: the writer's in-flight save (``persisting.inflight``), the staging arena
+(``staging``), the resolve cache, the rescue's notes, the state's extras, the counters. In
+order, a save (``stage``): the previous save's overlapped copy is waited for; a save while the
+previous one persists is skipped (``on_busy`` "skip": with the memory tier it is still a
+snapshot) or waits for it; the state is resolved into write items (``resolve``), the arena
+prepared and a region taken (``staging``), what may change before ``optimizer.step`` copied
+now and the rest after, on the stager thread (``overlap``); a durable save is then handed to
+the writer process (``inflight``), and the blocking time is recorded as a ``ckpt_stage``
+interval. ``note`` is the rescue's record of a step (``rescue``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import time
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any
+from pathlib import Path
+from typing import Any
 
 from unbroken.checkpoint import node
-from unbroken.checkpoint.staging.staging import fill, process_memory
-from unbroken.checkpoint.state.resolve import plan_args, resolve_for_save
+from unbroken.checkpoint.config import CheckpointConfig, CheckpointError
+from unbroken.checkpoint.persisting.hooks import WriterHooks
+from unbroken.checkpoint.persisting.inflight import CheckpointStats, Inflight
+from unbroken.checkpoint.staging.rescue import Notes
+from unbroken.checkpoint.staging.staging import Staging, fill, process_memory
+from unbroken.checkpoint.state.extras import StateExtras
+from unbroken.checkpoint.state.resolve import ResolveCache, plan_args, resolve_for_save
+from unbroken.ledger import Recorder, phases
 from unbroken.ledger import events as ev
-from unbroken.ledger import phases
-
-if TYPE_CHECKING:
-    from unbroken.checkpoint.checkpointer import Checkpointer
 
 logger = logging.getLogger(__name__)
 
@@ -35,156 +40,250 @@ def _log_failed(step: int, e: Exception) -> None:
     logger.warning("snapshot of step %d not kept in memory: %s", step, e)
 
 
-def stage(ck: Checkpointer, step: int, state: Mapping[str, Any], *, durable: bool) -> bool:
-    """Stage ``state`` as ``step`` for ``ck``: a save (``durable``) or a memory snapshot.
+class Saves:
+    """The save side of one rank's ``Checkpointer``.
 
     Args:
-        ck: The Checkpointer whose save this is.
-        step: The step just completed (0-based).
-        state: As ``Checkpointer.save`` takes it.
-        durable: A save (handed to the writer); False: a snapshot in memory only.
-
-    Returns:
-        False when skipped (a save while the previous one persists, without the memory tier,
-        or a step just staged).
-
-    Raises:
-        CheckpointError: When an earlier save failed, ``ck`` is closed, or (sync) this one
-            failed.
+        root: The checkpoint directory.
+        config: The Checkpointer's settings.
+        rank: This rank.
+        world_size: The ranks of the group.
+        run: The run recorded in the manifests (None: unnamed).
+        ledger: Where saves are recorded.
+        hooks: The fault plan's writer hooks (slow or failing storage).
+        staging: The staging arena (and memory tier) of this rank.
     """
-    t0, state = time.time(), ck._extras.full(state)
-    ck._check()
-    if step == ck._last_step:
-        return False
-    if ck.config.overlap:
-        ck._staging.hook(state, ck.wait_staged)
-    ck.wait_staged()
-    waited = 0.0
-    busy = ck._inflight.busy()
-    skipped = False
-    if busy and durable:
-        current = ck._inflight.current
-        assert current is not None
-        if ck.config.mode == "async" and ck.config.on_busy == "skip":
-            ck._inflight.skip(step, f"the save of step {current.step} is still persisting")
-            if not ck.config.memory_tier:
-                ck._stats.blocking_s += time.time() - t0
-                return False
-            durable, skipped = False, True  # still a snapshot in memory
-        else:
-            with node.waiting():
-                ck._inflight.wait_done()
-            waited = time.time() - t0
-            busy = False
-    writer = ck._inflight.start_writer(ck._hooks)
-    t1 = time.time()
-    resolved = resolve_for_save(
-        state,
-        rank=ck.rank,
-        world_size=ck.world_size,
-        overlap=ck.config.overlap,
-        cache=ck._cache,
-        stage_all=ck.config.memory_tier,
-        defer=not durable and ck.config.overlap,  # torch.save on the stager thread
-    )
-    staging = ck._staging
-    tensors = [i for i in resolved.items if i.tensor is not None]
-    values = [i for i in resolved.items if i.tensor is None]
-    alloc_s = staging.prepare(tensors, sum(i.nbytes for i in values), writer)
-    t2 = time.time()
-    region, _ = staging.begin(pinned=ck._persisting_region if busy else None)
-    now_src, now_dst, later_src, later_dst = staging.split(region, tensors)
-    staging.copy_now(now_src, now_dst)
-    ck._last_step = step
-    held = staging.snapshot(step, region, world_size=ck.world_size)
-    sealing = ck.config.memory_tier
-    if durable:
-        msg = {
-            "type": "save",
-            "step": step,
-            "layout_id": staging.layout_id,
-            "base": staging.data_base(region),
-            "payloads": [(i.write_item, i.payload) for i in values],
-            "assigned": resolved.assigned,
-            "planner_data": resolved.planner_data,
-            "run": ck.run,
-        }
-        inflight = ck._inflight.begin(step)
-        ck._persisting_region = region
-        done: Callable[[], None] = functools.partial(ck._inflight.send, msg, inflight)
-        failed: Callable[[Exception], None] = functools.partial(
-            ck._inflight.staging_failed, inflight
+
+    def __init__(
+        self,
+        *,
+        root: Path,
+        config: CheckpointConfig,
+        rank: int,
+        world_size: int,
+        run: str | None,
+        ledger: Recorder,
+        hooks: WriterHooks | None,
+        staging: Staging,
+    ) -> None:
+        self.config, self.rank, self.world_size, self.run = config, rank, world_size, run
+        self.ledger, self.hooks, self.staging = ledger, hooks, staging
+        self.stats = CheckpointStats()
+        self.inflight = Inflight(
+            root=root,
+            rank=rank,
+            world_size=world_size,
+            config=config,
+            recorder=ledger,
+            stats=self.stats,
         )
-    else:
-        done, failed = (lambda: None), functools.partial(_log_failed, step)
-    if later_src or (sealing and ck.config.overlap):
-        staging.copy_later(
-            later_src,
-            later_dst,
-            held=held,
-            payloads=values,
-            seal=sealing,
-            done=done,
-            failed=failed,
+        self.cache = ResolveCache()
+        self.notes = Notes()
+        self.extras = StateExtras(config)  # the generators; the state for the digest
+        self.last_step: int | None = None
+        """The step staged (or restored) last."""
+        self.persisting_region: int | None = None
+        self.closed = False
+
+    def check(self) -> None:
+        """Raises:
+        CheckpointError: When closed, or once for an earlier save that failed."""
+        if self.closed:
+            raise CheckpointError("this Checkpointer is closed")
+        self.inflight.check()
+
+    def blocked(self, t0: float, step: int | None, part: str) -> float:
+        """Record ``[t0, now]`` as the trainer blocked by ``part`` of a save.
+
+        Returns:
+            now."""
+        end = time.time()
+        self.stats.blocking_s += end - t0
+        self.ledger.interval(ev.CKPT_STAGE, begin=t0, end=end, step=step, part=part)
+        return end
+
+    def wait_staged(self) -> None:
+        """Block until the in-flight snapshot is fully copied (``Checkpointer.wait_staged``)."""
+        if self.staging.copying:
+            t0 = time.time()
+            self.staging.wait()
+            end = self.blocked(t0, self.last_step, "overlap")
+            if self.stats.stall_s:
+                self.stats.stall_s[-1] += end - t0
+        self.inflight.wait_staged()
+
+    def wait(self) -> None:
+        """Block until the in-flight save is committed (``Checkpointer.wait``).
+
+        Raises:
+            CheckpointError: When it failed, or the Checkpointer is closed.
+        """
+        self.check()
+        self.wait_staged()
+        inflight = self.inflight.current
+        if inflight is None:
+            return
+        with node.waiting():  # no progress, for a known reason (``node``)
+            self.inflight.wait_done()
+            if self.rank != 0 and inflight.outcome == "persisted":
+                self.inflight.wait_commit_on_disk(inflight)
+        self.check()
+
+    def save(self, step: int, state: Mapping[str, Any], *, durable: bool) -> bool:
+        """``stage`` in the ``save`` phase when ``durable``.
+
+        Returns:
+            As ``stage``."""
+        with phases.region("save") if durable else contextlib.nullcontext():
+            return self.stage(step, state, durable=durable)
+
+    def stage(self, step: int, state: Mapping[str, Any], *, durable: bool) -> bool:
+        """Stage ``state`` as ``step``: a save (``durable``) or a memory snapshot.
+
+        Args:
+            step: The step just completed (0-based).
+            state: As ``Checkpointer.save`` takes it.
+            durable: A save (handed to the writer); False: a snapshot in memory only.
+
+        Returns:
+            False when skipped (a save while the previous one persists, without the memory tier,
+            or a step just staged).
+
+        Raises:
+            CheckpointError: When an earlier save failed, ``ck`` is closed, or (sync) this one
+                failed.
+        """
+        t0, state = time.time(), self.extras.full(state)
+        self.check()
+        if step == self.last_step:
+            return False
+        if self.config.overlap:
+            self.staging.hook(state, self.wait_staged)
+        self.wait_staged()
+        waited = 0.0
+        busy = self.inflight.busy()
+        skipped = False
+        if busy and durable:
+            current = self.inflight.current
+            assert current is not None
+            if self.config.mode == "async" and self.config.on_busy == "skip":
+                self.inflight.skip(step, f"the save of step {current.step} is still persisting")
+                if not self.config.memory_tier:
+                    self.stats.blocking_s += time.time() - t0
+                    return False
+                durable, skipped = False, True  # still a snapshot in memory
+            else:
+                with node.waiting():
+                    self.inflight.wait_done()
+                waited = time.time() - t0
+                busy = False
+        writer = self.inflight.start_writer(self.hooks)
+        t1 = time.time()
+        resolved = resolve_for_save(
+            state,
+            rank=self.rank,
+            world_size=self.world_size,
+            overlap=self.config.overlap,
+            cache=self.cache,
+            stage_all=self.config.memory_tier,
+            defer=not durable and self.config.overlap,  # torch.save on the stager thread
         )
-    else:
-        try:
-            fill(held, values)
-            if sealing:
-                staging.seal_now(held)
-        except ValueError as e:
-            failed(e)
+        staging = self.staging
+        tensors = [i for i in resolved.items if i.tensor is not None]
+        values = [i for i in resolved.items if i.tensor is None]
+        alloc_s = staging.prepare(tensors, sum(i.nbytes for i in values), writer)
+        t2 = time.time()
+        region, _ = staging.begin(pinned=self.persisting_region if busy else None)
+        now_src, now_dst, later_src, later_dst = staging.split(region, tensors)
+        staging.copy_now(now_src, now_dst)
+        self.last_step = step
+        held = staging.snapshot(step, region, world_size=self.world_size)
+        sealing = self.config.memory_tier
+        if durable:
+            msg = {
+                "type": "save",
+                "step": step,
+                "layout_id": staging.layout_id,
+                "base": staging.data_base(region),
+                "payloads": [(i.write_item, i.payload) for i in values],
+                "assigned": resolved.assigned,
+                "planner_data": resolved.planner_data,
+                "run": self.run,
+            }
+            inflight = self.inflight.begin(step)
+            self.persisting_region = region
+            done: Callable[[], None] = functools.partial(self.inflight.send, msg, inflight)
+            failed: Callable[[Exception], None] = functools.partial(
+                self.inflight.staging_failed, inflight
+            )
         else:
-            done()
-    t3 = time.time()
-    nbytes = sum(i.nbytes for i in resolved.items)
-    ck._stats.staged_bytes = nbytes
-    if durable:
-        ck._stats.saves += 1
-        phases.entered("persist")  # handed to the writer (or on its way to it)
-        if ck.config.mode == "sync":
-            ck.wait()
-    end = time.time()
-    ck._stats.stall_s.append(end - t0)
-    ck._stats.blocking_s += end - t0
-    ck._ledger.interval(
-        ev.CKPT_STAGE,
-        begin=t0,
-        end=end,
-        step=step,
-        bytes=nbytes,
-        wait_s=waited,
-        resolve_s=t2 - t1 - alloc_s,
-        alloc_s=alloc_s,
-        copy_s=t3 - t2,
-        background_bytes=sum(i.nbytes for i in tensors if i.background),
-        mode=ck.config.mode,
-        durable=durable,
-        region=region,
-        staging_bytes=staging.size,
-        queue_depth=1 if busy else 0,
-        **(process_memory() if durable else {}),  # /proc, once per durable save
-    )
-    return not skipped
+            done, failed = (lambda: None), functools.partial(_log_failed, step)
+        if later_src or (sealing and self.config.overlap):
+            staging.copy_later(
+                later_src,
+                later_dst,
+                held=held,
+                payloads=values,
+                seal=sealing,
+                done=done,
+                failed=failed,
+            )
+        else:
+            try:
+                fill(held, values)
+                if sealing:
+                    staging.seal_now(held)
+            except ValueError as e:
+                failed(e)
+            else:
+                done()
+        t3 = time.time()
+        nbytes = sum(i.nbytes for i in resolved.items)
+        self.stats.staged_bytes = nbytes
+        if durable:
+            self.stats.saves += 1
+            phases.entered("persist")  # handed to the writer (or on its way to it)
+            if self.config.mode == "sync":
+                self.wait()
+        end = time.time()
+        self.stats.stall_s.append(end - t0)
+        self.stats.blocking_s += end - t0
+        self.ledger.interval(
+            ev.CKPT_STAGE,
+            begin=t0,
+            end=end,
+            step=step,
+            bytes=nbytes,
+            wait_s=waited,
+            resolve_s=t2 - t1 - alloc_s,
+            alloc_s=alloc_s,
+            copy_s=t3 - t2,
+            background_bytes=sum(i.nbytes for i in tensors if i.background),
+            mode=self.config.mode,
+            durable=durable,
+            region=region,
+            staging_bytes=staging.size,
+            queue_depth=1 if busy else 0,
+            **(process_memory() if durable else {}),  # /proc, once per durable save
+        )
+        return not skipped
 
+    def note(self, step: int, state: Mapping[str, Any]) -> bool:
+        """Note ``step`` of ``state`` without staging it (``rescue.Notes.take``).
 
-def note(ck: Checkpointer, step: int, state: Mapping[str, Any]) -> bool:
-    """Note ``step`` of ``state`` for ``ck`` without staging it (``rescue.Notes.take``).
+        Args:
+            step: The step just completed (0-based).
+            state: As ``Checkpointer.save`` takes it.
 
-    Args:
-        ck: The Checkpointer whose note this is.
-        step: The step just completed (0-based).
-        state: As ``Checkpointer.save`` takes it.
-
-    Returns:
-        True when noted (see ``Checkpointer.note``).
-    """
-    if not (ck.config.memory_tier and ck.config.rescue) or ck._closed:
-        return False
-    t0, o, w = time.time(), ck.config.overlap, ck.world_size
-    state = ck._extras.full(state)
-    args = plan_args(state, rank=ck.rank, world_size=w, overlap=o, stage_all=True)
-    if not ck._notes.take(step, state, ck._cache.plan, args):
-        return False  # refused at once (before the first save, a model with buffers)
-    ck._blocked(t0, step, "note")
-    return True
+        Returns:
+            True when noted (see ``Checkpointer.note``).
+        """
+        if not (self.config.memory_tier and self.config.rescue) or self.closed:
+            return False
+        t0, o, w = time.time(), self.config.overlap, self.world_size
+        state = self.extras.full(state)
+        args = plan_args(state, rank=self.rank, world_size=w, overlap=o, stage_all=True)
+        if not self.notes.take(step, state, self.cache.plan, args):
+            return False  # refused at once (before the first save, a model with buffers)
+        self.blocked(t0, step, "note")
+        return True

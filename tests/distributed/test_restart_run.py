@@ -9,8 +9,6 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Iterator
-from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -30,8 +28,6 @@ from unbroken.restart import (
 from unbroken.restart.store import StoreHost, spawn_server
 from unbroken.workload.model import build_model, get_config
 from unbroken.workload.parallel import wrap_model
-
-pytestmark = pytest.mark.dist
 
 ENV = one_rank("inproc")
 

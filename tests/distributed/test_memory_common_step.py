@@ -9,11 +9,7 @@ import json
 import textwrap
 from pathlib import Path
 
-import pytest
-
 from procs import VENV_BIN, run
-
-pytestmark = pytest.mark.dist
 
 WORKER = textwrap.dedent(
     """

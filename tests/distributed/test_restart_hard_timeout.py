@@ -8,13 +8,10 @@ import sys
 from datetime import timedelta
 from pathlib import Path
 
-import pytest
 import torch.distributed as dist
 
 from procs import worker_env
 from unbroken.ledger import read_events
-
-pytestmark = pytest.mark.dist
 
 WORKER = Path(__file__).resolve().parents[1] / "workers" / "hang_worker.py"
 

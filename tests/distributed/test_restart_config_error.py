@@ -3,17 +3,12 @@
 
 from __future__ import annotations
 
-from datetime import timedelta
-
 import pytest
-import torch.distributed as dist
 
 from procs import one_rank
 from unbroken.errors import ConfigError
 from unbroken.restart import RestartConfig, RestartContext
 from unbroken.restart import run as restart_run
-
-pytestmark = pytest.mark.dist
 
 ENV = one_rank("cfg")
 

@@ -10,7 +10,6 @@ import pytest
 import torch.distributed as dist
 
 
-
 @pytest.fixture
 def store_addr() -> Iterator[str]:
     """A store hosted by the test, as a launcher agent would."""

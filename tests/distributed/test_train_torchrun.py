@@ -6,10 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from procs import final, run, train_cmd, worker_env
+from procs import final, run, train_cmd
 from unbroken.ledger import goodput, read_events
-
-pytestmark = pytest.mark.dist
 
 STEPS = 16
 
@@ -17,8 +15,10 @@ STEPS = 16
 def test_two_rank_fsdp_runs_are_bitwise_reproducible(tmp_path: Path) -> None:
     hashes = []
     for i in range(2):
-        res = run(train_cmd(tmp_path / f"run{i}", nproc=2, steps=STEPS,
-                            extra=["--batch-size", "4"]), timeout_s=120)
+        res = run(
+            train_cmd(tmp_path / f"run{i}", nproc=2, steps=STEPS, extra=["--batch-size", "4"]),
+            timeout_s=120,
+        )
         assert res.returncode == 0, res.output[-3000:]
         assert len(set(res.hashes())) == 1 and len(res.hashes()) == 2
         hashes.append(res.hashes()[0])
@@ -36,11 +36,25 @@ LOSS_RTOL = 2e-4
 
 @pytest.mark.parametrize("parallel", ["fsdp", "ddp"])
 def test_two_ranks_match_one_rank_with_the_same_global_batch(tmp_path: Path, parallel: str) -> None:
-    one = run(train_cmd(tmp_path / "one", nproc=None, steps=STEPS,
-                        extra=["--batch-size", "8", "--parallel", parallel]), timeout_s=120)
+    one = run(
+        train_cmd(
+            tmp_path / "one",
+            nproc=None,
+            steps=STEPS,
+            extra=["--batch-size", "8", "--parallel", parallel],
+        ),
+        timeout_s=120,
+    )
     assert one.returncode == 0, one.output[-3000:]
-    two = run(train_cmd(tmp_path / "two", nproc=2, steps=STEPS,
-                        extra=["--batch-size", "4", "--parallel", parallel]), timeout_s=120)
+    two = run(
+        train_cmd(
+            tmp_path / "two",
+            nproc=2,
+            steps=STEPS,
+            extra=["--batch-size", "4", "--parallel", parallel],
+        ),
+        timeout_s=120,
+    )
     assert two.returncode == 0, two.output[-3000:]
     l1, l2 = final(tmp_path / "one")["losses"], final(tmp_path / "two")["losses"]
     assert len(l1) == len(l2) == STEPS
@@ -50,8 +64,7 @@ def test_two_ranks_match_one_rank_with_the_same_global_batch(tmp_path: Path, par
 
 
 def test_report_of_a_plain_run_is_sensible(tmp_path: Path) -> None:
-    res = run(train_cmd(tmp_path, nproc=2, steps=STEPS, extra=["--batch-size", "4"]),
-              timeout_s=120)
+    res = run(train_cmd(tmp_path, nproc=2, steps=STEPS, extra=["--batch-size", "4"]), timeout_s=120)
     assert res.returncode == 0, res.output[-3000:]
     rep = goodput.compute(read_events(tmp_path))
     assert 0.0 < rep.training_goodput < 1.0
@@ -66,15 +79,23 @@ def test_report_of_a_plain_run_is_sensible(tmp_path: Path) -> None:
 def test_sigkill_under_torchrun_restart_fires_once_and_recovers_10_of_10(tmp_path: Path) -> None:
     plan = tmp_path / "plan.yaml"
     plan.write_text("faults:\n  - {step: 5, rank: 1, kind: sigkill}\n")
-    ref = run(train_cmd(tmp_path / "ref", nproc=2, steps=10, extra=["--batch-size", "4"]),
-              timeout_s=120)
+    ref = run(
+        train_cmd(tmp_path / "ref", nproc=2, steps=10, extra=["--batch-size", "4"]), timeout_s=120
+    )
     assert ref.returncode == 0, ref.output[-3000:]
     expected = ref.hashes()[0]
     for trial in range(10):
         run_dir = tmp_path / f"t{trial}"
-        res = run(train_cmd(run_dir, nproc=2, steps=10,
-                            extra=["--batch-size", "4", "--faults", str(plan)],
-                            torchrun_args=["--max-restarts", "1"]), timeout_s=120)
+        res = run(
+            train_cmd(
+                run_dir,
+                nproc=2,
+                steps=10,
+                extra=["--batch-size", "4", "--faults", str(plan)],
+                torchrun_args=["--max-restarts", "1"],
+            ),
+            timeout_s=120,
+        )
         assert res.returncode == 0, f"trial {trial}:\n{res.output[-3000:]}"
         assert res.hashes() == [expected, expected], f"trial {trial}"
         events = read_events(run_dir)

@@ -10,12 +10,9 @@ import time
 from datetime import timedelta
 from pathlib import Path
 
-import pytest
 import torch.distributed as dist
 
 from procs import worker_env
-
-pytestmark = pytest.mark.dist
 
 _WORKER = textwrap.dedent(
     """

@@ -15,8 +15,6 @@ from unbroken.restart import RestartConfig, RestartContext
 from unbroken.restart import run as restart_run
 from unbroken.restart.store import Keys
 
-pytestmark = pytest.mark.dist
-
 ENV = one_rank("values")
 
 
@@ -44,4 +42,3 @@ def test_a_malformed_wake_up_is_ignored(monkeypatch: pytest.MonkeyPatch) -> None
     )
     restart_run(fn, config=cfg, env=ENV)
     assert calls == [0] and died == []
-    del server

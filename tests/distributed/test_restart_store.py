@@ -12,8 +12,6 @@ import pytest
 from procs import worker_env
 from unbroken.restart.store import PID_KEY, StoreHost, spawn_server
 
-pytestmark = pytest.mark.dist
-
 
 def test_server_serves_until_stopped(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(os, "environ", worker_env())

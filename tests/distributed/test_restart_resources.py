@@ -13,19 +13,13 @@ import contextlib
 import os
 import threading
 import time
-from collections.abc import Iterator
-from datetime import timedelta
 from pathlib import Path
 
-import pytest
 import torch
-import torch.distributed as dist
 
 from procs import one_rank
 from unbroken.checkpoint import CheckpointConfig, Checkpointer
 from unbroken.restart import RestartConfig, RestartContext, run
-
-pytestmark = pytest.mark.dist
 
 RESTARTS = 100
 
