@@ -30,7 +30,7 @@ browser:
 # ones (they measure time or CPU shares) alone; the slowest tests are listed at the end of each.
 TEST_WORKERS ?= 2
 test: $(STAMP) browser
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist load -m "not serial" --durations=25 tests
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist worksteal -m "not serial" --durations=25 tests
 	$(PY) -m pytest -q -m serial --durations=10 tests
 
 # A change's inner loop (about a minute): the unit tests that start no processes and take no seconds.
