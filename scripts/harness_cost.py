@@ -9,9 +9,11 @@ thread of the process: the ledger's writer, the watchdog), then the difference o
     unbroken-run --standalone --nproc-per-node 2 scripts/harness_cost.py [STEPS]
 """
 
+import importlib.util
 import statistics
 import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -21,19 +23,19 @@ from torch.distributed.fsdp import fully_shard
 import unbroken
 
 STEPS = int(sys.argv[1]) if len(sys.argv) > 1 else 2000
-BLOCK, DIM = 50, 32
-
-
-def batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(1000 * step + rank)
-    x = torch.randn(16, DIM, generator=g)
-    return x, torch.sin(3 * x)
+BLOCK = 50
+_spec = importlib.util.spec_from_file_location(
+    "fsdp_example", Path(__file__).resolve().parents[1] / "examples" / "fsdp.py"
+)
+assert _spec is not None and _spec.loader is not None
+example = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(example)  # its batch() and DIM; its model is built as train() does
 
 
 def train(ctx: unbroken.RestartContext) -> None:
     rank = dist.get_rank()
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(DIM, 64), nn.Tanh(), nn.Linear(64, DIM))
+    model = nn.Sequential(nn.Linear(example.DIM, 64), nn.Tanh(), nn.Linear(64, example.DIM))
     for layer in model:
         if isinstance(layer, nn.Linear):
             fully_shard(layer)
@@ -46,9 +48,9 @@ def train(ctx: unbroken.RestartContext) -> None:
         t, c = time.perf_counter(), time.process_time()
         if on:
             with ctx.phase("data"):
-                inputs, targets = batch(step, rank)
+                inputs, targets = example.batch(step, rank)
         else:
-            inputs, targets = batch(step, rank)
+            inputs, targets = example.batch(step, rank)
         loss = nn.functional.mse_loss(model(inputs), targets)
         loss.backward()
         optim.step()
