@@ -8,9 +8,11 @@ runs alone, after the parallel part of ``make test``)."""
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -49,3 +51,27 @@ def no_leaks():
         time.sleep(0.05)
     assert not leaked, f"test leaked child processes {sorted(leaked)}"
     assert not threads, f"test leaked threads {[t.name for t in threads]}"
+
+
+@pytest.fixture
+def tmpfs(tmp_path: Path) -> Iterator[Callable[[str], Path]]:
+    """``tmpfs("8m")``: a fresh tmpfs of that size under tmp_path (real storage that fills up
+    or turns read-only), unmounted at teardown. Needs root (CAP_SYS_ADMIN), as CI has."""
+    mounted: list[Path] = []
+
+    def mount(size: str) -> Path:
+        mnt = tmp_path / f"mnt{len(mounted)}"
+        mnt.mkdir()
+        res = subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", f"size={size},mode=0700", "tmpfs", str(mnt)],
+            capture_output=True,
+            text=True,
+        )
+        assert res.returncode == 0, f"cannot mount a tmpfs (needs root): {res.stderr}"
+        mounted.append(mnt)
+        return mnt
+
+    yield mount
+    for mnt in mounted:
+        if subprocess.run(["umount", str(mnt)], capture_output=True).returncode != 0:
+            subprocess.run(["umount", "-l", str(mnt)], check=True)

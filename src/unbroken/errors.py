@@ -20,6 +20,22 @@ EXIT_CONFIG = 78
 the job at once with its usage exit code 2 instead of restarting it."""
 
 
+EXIT_STORAGE = 74
+"""A worker's exit code when checkpoint storage ended the job (sysexits' EX_IOERR; see
+``StopJob``): ``unbroken-run`` ends the job with its exit code 6 instead of restarting it."""
+
+
+class StopJob(UnbrokenError):
+    """An error that ends the job on purpose: no restart can fix it.
+
+    ``unbroken.run`` does not restart ``fn`` in-process for it (it re-raises it at once, and
+    its peers are told), ``unbroken.main`` exits with its ``exit_code`` and ``unbroken-run``
+    then ends the job. ``unbroken.checkpoint.StorageFailed`` is one.
+    """
+
+    exit_code = EXIT_STORAGE
+
+
 class ConfigError(UnbrokenError, ValueError):
     """The job is misconfigured (a bad flag, a bad config file): no restart can fix it.
 

@@ -62,7 +62,7 @@ from unbroken.checkpoint import node
 from unbroken.checkpoint.checkpointer import Checkpointer, open_checkpointers
 from unbroken.checkpoint.persisting import forkserver, hooks
 from unbroken.env import Overrides, WorkerEnv, standby_start
-from unbroken.errors import EXIT_CONFIG, ConfigError
+from unbroken.errors import EXIT_CONFIG, ConfigError, StopJob
 from unbroken.faults import FaultInjector, load_plan
 from unbroken.launcher.client import heartbeat
 from unbroken.ledger import NULL, Ledger, phases, process_start_time
@@ -214,7 +214,8 @@ def main(
     Exit codes: 0 when ``fn`` returned; ``Escalated.exit_code`` (75) when in-process restart
     gave up (the launcher takes over); ``RankExcluded.exit_code`` (0) on a rank that left the
     job; ``EXIT_CONFIG`` (78) on a ``ConfigError`` (``unbroken-run`` then ends the job with
-    exit code 2); 1 on any other error (a traceback; the launcher's error file names it).
+    exit code 2); a ``StopJob``'s ``exit_code`` (``EXIT_STORAGE``, 74: checkpoint storage
+    failed for good; ``unbroken-run`` then ends the job with exit code 6); 1 on any other error (a traceback; the launcher's error file names it).
     """
     from torch.distributed.elastic.multiprocessing.errors import get_error_handler
 
@@ -230,6 +231,10 @@ def main(
         get_error_handler().record_exception(e)
         logger.error("configuration error: %s; exit code %d", e, EXIT_CONFIG)
         sys.exit(EXIT_CONFIG)
+    except StopJob as e:  # the job ends on purpose (failed storage): the launcher ends it
+        get_error_handler().record_exception(e)
+        logger.error("%s: %s; exit code %d", type(e).__name__, e, e.exit_code)
+        sys.exit(e.exit_code)
     except Exception as e:
         get_error_handler().record_exception(e)  # the launcher reads the root cause from it
         if not exit_fast:

@@ -1,7 +1,7 @@
 """Storage faults for real: a checkpoint directory on a small tmpfs that fills up, or that is
 remounted read-only in the middle of a save. The previous checkpoint stays intact and
-restorable, the error is clear and in the ledger, it is raised once (the in-process restart's
-policy takes it from there), and the next save, once the storage is back, commits."""
+restorable, the error is clear and in the ledger, it is never raised into training (a storage
+fault is not a training fault), and the next attempt, once the storage is back, commits."""
 
 from __future__ import annotations
 
@@ -10,42 +10,18 @@ import os
 import shutil
 import subprocess
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
 
 from hooks import PauseUntil, paused_marker
-from unbroken.checkpoint import CheckpointConfig, Checkpointer, CheckpointError, layout
+from unbroken.checkpoint import CheckpointConfig, Checkpointer, layout
 from unbroken.launcher import errors
 from unbroken.ledger import Ledger, read_events
 
 MiB = 1 << 20
-
-
-@pytest.fixture
-def tmpfs(tmp_path: Path) -> Iterator[Callable[[str], Path]]:
-    """``tmpfs("8m")``: a fresh tmpfs of that size under tmp_path, unmounted at teardown."""
-    mounted: list[Path] = []
-
-    def mount(size: str) -> Path:
-        mnt = tmp_path / f"mnt{len(mounted)}"
-        mnt.mkdir()
-        res = subprocess.run(
-            ["mount", "-t", "tmpfs", "-o", f"size={size},mode=0700", "tmpfs", str(mnt)],
-            capture_output=True,
-            text=True,
-        )
-        if res.returncode != 0:
-            pytest.skip(f"cannot mount a tmpfs here (needs root with CAP_SYS_ADMIN): {res.stderr}")
-        mounted.append(mnt)
-        return mnt
-
-    yield mount
-    for mnt in mounted:
-        if subprocess.run(["umount", str(mnt)], capture_output=True).returncode != 0:
-            subprocess.run(["umount", "-l", str(mnt)], check=True)
 
 
 def _fill(path: Path) -> None:
@@ -80,7 +56,8 @@ def test_a_full_disk_fails_one_save_and_keeps_the_last_checkpoint(
     errors.write_error_file(error_file, exit_code=3, failures=[], restarts=0, run_id="r")
     old_error = error_file.read_bytes()
     try:
-        with Checkpointer(root, run="r", ledger=led, keep=1) as ck:
+        config = CheckpointConfig(storage_retry_s=0.05)
+        with Checkpointer(root, run="r", ledger=led, keep=1, config=config) as ck:
             w.fill_(1.0)
             ck.save(0, {"w": w})
             ck.wait()
@@ -97,14 +74,15 @@ def test_a_full_disk_fails_one_save_and_keeps_the_last_checkpoint(
             os.truncate(filler, filler.stat().st_size - MiB // 2)  # room for half a save
             w.fill_(2.0)
             assert ck.save(1, {"w": w})  # async: staged, then the writer hits ENOSPC
-            with pytest.raises(CheckpointError, match="No space left on device"):
-                ck.wait()
+            assert ck.wait() is False  # recorded, not raised
+            assert "No space left on device" in str(ck.storage.last_error)
             assert layout.verify(layout.step_dir(root, 0)) is None
             # Less room than a save unless the failed one gave back what it had written.
             os.truncate(filler, filler.stat().st_size - 3 * MiB // 4)
             w.fill_(3.0)
+            time.sleep(0.1)  # past the back-off
             ck.save(2, {"w": w})  # training went on; the next save retries, and commits
-            ck.wait()
+            assert ck.wait() is True and not ck.storage.failing
     finally:
         led.close()
     assert layout.committed_steps(root) == [2]
@@ -130,7 +108,7 @@ def test_storage_turning_read_only_during_a_save(
             ledger=led,
             keep=2,
             hooks=hooks,
-            config=CheckpointConfig(writer_start="fork"),
+            config=CheckpointConfig(writer_start="fork", storage_retry_s=0.05),
         ) as ck:
             w.fill_(1.0)
             ck.save(0, {"w": w})
@@ -145,8 +123,8 @@ def test_storage_turning_read_only_during_a_save(
             shutil.copytree(layout.step_dir(root, 0), published / "step-0")
             subprocess.run(["mount", "-o", "remount,ro", str(mnt)], check=True)
             go.touch()
-            with pytest.raises(CheckpointError, match="Read-only file system"):
-                ck.wait()
+            assert ck.wait() is False  # recorded, not raised
+            assert "Read-only file system" in str(ck.storage.last_error)
             assert layout.committed_steps(root) == [0]
             assert layout.verify(layout.step_dir(root, 0)) is None
             for where in (root, published):  # restorable from the read-only disk
@@ -155,7 +133,7 @@ def test_storage_turning_read_only_during_a_save(
             subprocess.run(["mount", "-o", "remount,rw", str(mnt)], check=True)
             w.fill_(3.0)
             ck.save(2, {"w": w})
-            ck.wait()
+            assert ck.wait() is True
     finally:
         led.close()
     assert layout.committed_steps(root) == [2, 0]

@@ -137,6 +137,7 @@ def test_prometheus_rules_file_is_well_formed_and_names_exported_metrics(tmp_pat
     events = faulty_run()
     events.append(rec(ev.CKPT_STAGE, 4.0, dur_s=0.1, step=3, staging_bytes=10, bytes=9))
     events.append(rec(ev.CKPT_COMMIT, 4.5, step=3))
+    events.append(rec(ev.CKPT_FAIL, 9.5, step=8, error="OSError: [Errno 28] No space left"))
     events += steps(36, 37, 41.0, busy_s=0.5)  # busy figures: the straggler gauges
     write(tmp_path, events)
     runs = RunSet(tmp_path, record_alerts=False)
@@ -172,6 +173,7 @@ def test_prometheus_rules_file_is_well_formed_and_names_exported_metrics(tmp_pat
         "UnbrokenNoCheckpoint",
         "UnbrokenLowGoodput",
         "UnbrokenCheckpointSavesSkipped",
+        "UnbrokenCheckpointStorageFailing",
         "UnbrokenStraggler",
     } <= names
 

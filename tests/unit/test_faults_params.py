@@ -20,7 +20,7 @@ def one(kind: str, **params: Any) -> dict[str, Any]:
 
 def test_new_kinds_are_known_and_only_the_degrading_ones_are_non_disruptive() -> None:
     assert set(NEW_KINDS) <= set(KINDS) and set(NEW_KINDS) <= set(PARAMS)
-    assert set(NON_DISRUPTIVE) == {"slow-storage", "slow-rank", "network"}
+    assert set(NON_DISRUPTIVE) == {"slow-storage", "storage-fail", "slow-rank", "network"}
     plan = parse_plan({"faults": [{"step": 1, "rank": 0, "kind": k} for k in NEW_KINDS]})
     assert [f.disruptive for f in plan.faults] == [False, True, True]
 

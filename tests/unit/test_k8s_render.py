@@ -58,6 +58,7 @@ def test_indexed_job_and_headless_service_follow_the_published_layout() -> None:
         lerrors.EXIT_USAGE,
         lerrors.EXIT_BUDGET_EXHAUSTED,
         lerrors.EXIT_NO_PROGRESS,
+        lerrors.EXIT_STORAGE_FAILED,
     ]
     ignore = next(r for r in rules if r["action"] == "Ignore")
     assert ignore["onPodConditions"] == [{"type": "DisruptionTarget", "status": "True"}]

@@ -38,7 +38,8 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from unbroken.checkpoint.checkpointer import Checkpointer
-    from unbroken.checkpoint.config import CheckpointConfig, CheckpointError
+    from unbroken.checkpoint.config import CheckpointConfig, CheckpointError, StorageFailed
+    from unbroken.checkpoint.persisting.health import StorageStatus
     from unbroken.checkpoint.persisting.hooks import WriterHooks
     from unbroken.checkpoint.persisting.inflight import CheckpointStats
     from unbroken.checkpoint.state.digest import state_sha256
@@ -50,6 +51,8 @@ __all__ = [
     "CheckpointStats",
     "Checkpointer",
     "PerRank",
+    "StorageFailed",
+    "StorageStatus",
     "WriterHooks",
     "state_sha256",
 ]
@@ -61,6 +64,8 @@ _WHERE = {
     "CheckpointConfig": "config",
     "CheckpointError": "config",
     "PerRank": "state.resolve",
+    "StorageFailed": "config",
+    "StorageStatus": "persisting.health",
     "state_sha256": "state.digest",
 }
 

@@ -18,10 +18,13 @@ abandons that step rather than waiting for it. A checkpoint directory must be on
 rank sees (one machine, or a shared filesystem across nodes).
 Ownership (``unbroken.ledger.owner``): the Checkpointer claims its directory for its run;
 another run's Checkpointer is refused while it runs, and its checkpoints unless ``allow_foreign``.
-Failures (none touches an older committed checkpoint): the writer's death (end of its
-socket), a save not durable within ``persist_timeout_s`` (its writer killed) or one the writer
-reports failed is recorded (``ckpt_fail``) and raised once, as ``CheckpointError``, by the
-next call. ``snapshot_every`` stages memory-only snapshots (``snapshot``) between the durable
+Storage failures are not training failures (none touches an older committed checkpoint): a
+save the writer reports failed (full, read-only, I/O errors), one not durable within
+``persist_timeout_s`` (its writer killed), the writer's death (end of its socket) are recorded
+(``ckpt_fail``) and never raised into the training step; training goes on with the memory
+tier's snapshots, durable saves are retried with back-off, and ``storage`` says how long this
+rank has run unprotected (``persisting.health``; ``on_storage_failure`` "stop" ends the job
+with ``StorageFailed`` after a limit). ``snapshot_every`` stages memory-only snapshots (``snapshot``) between the durable
 saves of ``every_steps``; with ``memory_keeper`` (set by ``unbroken-run``) they outlive the
 process.
 
@@ -58,6 +61,7 @@ from unbroken.checkpoint.config import (
     merged,
     overridden,
 )
+from unbroken.checkpoint.persisting.health import StorageStatus
 from unbroken.checkpoint.persisting.hooks import WriterHooks, offered
 from unbroken.checkpoint.persisting.inflight import CheckpointStats
 from unbroken.checkpoint.restoring.restore import restore_recorded
@@ -177,7 +181,7 @@ class Checkpointer:
         )
         self._adaptive = AdaptiveSaves.of(self.root, self.config, self._ledger, self.rank)
         if self.config.eager_writer:
-            self._saves.inflight.start_writer(self._saves.hooks)
+            self._saves.inflight.start_writer(self._saves.hooks)  # the first: nothing to hand over
         _created.add(self)
 
     # --- public API --------------------------------------------------------------------------
@@ -193,7 +197,9 @@ class Checkpointer:
             True when a save or snapshot was staged.
 
         Raises:
-            CheckpointError: When an earlier save failed, or the Checkpointer is closed.
+            CheckpointError: When the Checkpointer is closed.
+            StorageFailed: ``on_storage_failure="stop"``: storage failed for
+                ``storage_failure_limit_s`` and the final save failed too.
         """
         adaptive = self._adaptive
         if self.config.due(step) if adaptive is None else adaptive.due(step, self._saves.stats):
@@ -216,12 +222,15 @@ class Checkpointer:
             state: Name -> model, optimizer, Stateful or tensor: what the checkpoint holds.
 
         Returns:
-            False when the save was skipped (the previous one persists, ``on_busy="skip"``;
-            with the memory tier it is still snapshotted in memory) or ``step`` was just staged.
+            False when the save was skipped (the previous one persists, ``on_busy="skip"``, or
+            storage is failing and the next attempt is later: with the memory tier it is still
+            snapshotted in memory) or ``step`` was just staged. A save that fails later (async)
+            or failed (sync) is recorded, not raised: see ``storage``.
 
         Raises:
-            CheckpointError: When an earlier save failed, the Checkpointer is closed, or (sync)
-                this save failed.
+            CheckpointError: When the Checkpointer is closed.
+            StorageFailed: ``on_storage_failure="stop"``: storage failed for
+                ``storage_failure_limit_s`` and this, the final save, failed too.
         """
         return self._saves.save(step, state, durable=True)
 
@@ -239,7 +248,7 @@ class Checkpointer:
 
         Raises:
             ValueError: Without the memory tier.
-            CheckpointError: When an earlier save failed, or the Checkpointer is closed.
+            CheckpointError: When the Checkpointer is closed.
         """
         if not self.config.memory_tier:
             raise ValueError("snapshot() needs memory_tier=True (a snapshot is held in memory)")
@@ -265,21 +274,26 @@ class Checkpointer:
         ``optimizer.step`` of an optimizer in the state."""
         self._saves.wait_staged()
 
-    def wait(self) -> None:
+    def wait(self) -> bool:
         """Block until the in-flight save is committed (on every rank: rank 0 commits, the
-        others watch for the commit).
+        others watch for the commit) or has failed.
+
+        Returns:
+            True when the newest save handed to the writer (if any) is durable; False when it
+            failed or was abandoned (the failure is recorded and in ``storage``).
 
         Raises:
-            CheckpointError: When it failed, or the Checkpointer is closed.
+            CheckpointError: When the Checkpointer is closed.
         """
-        self._saves.wait()
+        return self._saves.wait()
 
     def close(self) -> None:
-        """Wait for the in-flight save to be committed, then stop the writer. Idempotent.
-        Interrupted while waiting (a restart interrupt, Ctrl-C): ``abort`` instead.
+        """Wait for the in-flight save to be committed (or to fail: recorded, not raised),
+        then stop the writer. Idempotent. Interrupted while waiting (a restart interrupt,
+        Ctrl-C): ``abort`` instead.
 
         Raises:
-            CheckpointError: When the last save failed (the writer is stopped all the same).
+            CheckpointError: When waiting failed (the writer is stopped all the same).
         """
         if self._saves.closed:
             return
@@ -289,8 +303,7 @@ class Checkpointer:
 
     def _close(self) -> None:
         try:
-            if not self._saves.inflight.fatal:
-                self.wait()
+            self.wait()
         except Exception:
             self._stop()
             raise
@@ -299,10 +312,6 @@ class Checkpointer:
             raise
         self._saves.extras.record_digest(self._ledger, self._saves.last_step)
         self._stop()
-        fatal = self._saves.inflight.fatal
-        if fatal and not self._saves.inflight.fatal_raised:
-            self._saves.inflight.fatal_raised = True
-            raise CheckpointError(fatal)
 
     def restore(self, state: Mapping[str, Any]) -> int | None:
         """Load the newest committed checkpoint that passes its checks into ``state``.
@@ -393,6 +402,12 @@ class Checkpointer:
             A copy that later saves do not change.
         """
         return self._saves.stats.copy()
+
+    @property
+    def storage(self) -> StorageStatus:
+        """This rank's checkpoint storage as its saves saw it: failing since when, how many
+        saves failed, the last error, how long this rank ran unprotected by a durable save."""
+        return self._saves.inflight.health.status()
 
     @property
     def closed(self) -> bool:

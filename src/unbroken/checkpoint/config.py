@@ -9,16 +9,18 @@ from dataclasses import dataclass
 from typing import Any, Literal, get_args
 
 from unbroken.env import Overrides
-from unbroken.errors import UnbrokenError
+from unbroken.errors import EXIT_STORAGE, StopJob, UnbrokenError
 
 logger = logging.getLogger(__name__)
 
 Mode = Literal["async", "sync"]
 OnBusy = Literal["skip", "wait"]
 WriterStart = Literal["auto", "fork", "spawn"]
+OnStorageFailure = Literal["continue", "stop"]
 MODES: tuple[Mode, ...] = get_args(Mode)
 ON_BUSY: tuple[OnBusy, ...] = get_args(OnBusy)
 WRITER_STARTS: tuple[WriterStart, ...] = get_args(WriterStart)
+ON_STORAGE_FAILURE: tuple[OnStorageFailure, ...] = get_args(OnStorageFailure)
 
 
 def split_peer(text: str) -> tuple[str, int, str]:
@@ -31,7 +33,19 @@ def split_peer(text: str) -> tuple[str, int, str]:
 
 
 class CheckpointError(UnbrokenError):
-    """A save or restore failed: the writer died, storage stalled, or a checkpoint is unusable."""
+    """A checkpoint is unusable, a restore failed, or the Checkpointer is closed."""
+
+
+class StorageFailed(CheckpointError, StopJob):
+    """Checkpoint storage failed for ``storage_failure_limit_s`` and a final save failed too,
+    under ``on_storage_failure="stop"``: the job stops (no restart fixes storage).
+
+    A ``StopJob``: ``unbroken.run`` does not restart ``fn`` for it, ``unbroken.main`` exits
+    with ``EXIT_STORAGE`` (74) and ``unbroken-run`` then ends the job (exit code 6). The newest
+    committed checkpoint is intact: fix the storage and start the job again.
+    """
+
+    exit_code = EXIT_STORAGE
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -54,7 +68,27 @@ class CheckpointConfig:
     forward/backward runs. Every optimizer in the state gets a step pre-hook that waits for the
     copy; anything else that changes parameters in place must call ``wait_staged()`` first."""
     persist_timeout_s: float = 600.0
-    """A save not durable this long after it was staged is reported failed (stalled storage)."""
+    """A save not durable this long after it was staged is failed as stalled storage (its
+    writer is killed; the next attempt starts another)."""
+    on_storage_failure: OnStorageFailure = "continue"
+    """What failing checkpoint storage (full, read-only, I/O errors, a vanished directory,
+    a save stalled past ``persist_timeout_s``, a writer that died) does to the job. It is never
+    an exception in the training step: the failed save is recorded (``ckpt_fail``), training
+    goes on with the memory tier's snapshots, and durable saves are retried with back-off
+    (``storage_retry_s``). "continue" (the default) keeps going however long storage fails:
+    stopping would throw away the progress the memory tier protects against process faults,
+    and storage usually comes back (a disk cleaned up, a mount restored); the alert
+    ``checkpoint_storage_failing`` tells someone to act. "stop": once storage has failed for
+    ``storage_failure_limit_s``, a final save is attempted and waited for; if it fails too,
+    ``StorageFailed`` ends the job cleanly (no restart)."""
+    storage_retry_s: float = 10.0
+    """After a failed save, durable saves are held back this long (memory snapshots only,
+    recorded as ``ckpt_skip``); each further failure doubles it, up to
+    ``storage_retry_max_s``; a save that succeeds resets it."""
+    storage_retry_max_s: float = 600.0
+    """The longest back-off between two attempts at a durable save while storage fails."""
+    storage_failure_limit_s: float = 3600.0
+    """With ``on_storage_failure="stop"``: how long storage may fail before the final save."""
     eager_writer: bool = True
     """Start the writer process with the Checkpointer, so that it imports torch (seconds)
     while the trainer builds and restores; False: at the first save (restore-only use)."""
@@ -139,6 +173,20 @@ class CheckpointConfig:
             raise ValueError(f"on_busy must be one of {ON_BUSY}, got {self.on_busy!r}")
         if self.persist_timeout_s <= 0:
             raise ValueError(f"persist_timeout_s must be > 0, got {self.persist_timeout_s}")
+        if self.on_storage_failure not in ON_STORAGE_FAILURE:
+            raise ValueError(
+                f"on_storage_failure must be one of {ON_STORAGE_FAILURE}, "
+                f"got {self.on_storage_failure!r}"
+            )
+        if not 0 < self.storage_retry_s <= self.storage_retry_max_s:
+            raise ValueError(
+                "storage_retry_s and storage_retry_max_s must satisfy 0 < storage_retry_s <= "
+                f"storage_retry_max_s, got {self.storage_retry_s} and {self.storage_retry_max_s}"
+            )
+        if not self.storage_failure_limit_s > 0:
+            raise ValueError(
+                f"storage_failure_limit_s must be > 0, got {self.storage_failure_limit_s}"
+            )
         if self.writer_start_timeout_s <= 0:
             raise ValueError(
                 f"writer_start_timeout_s must be > 0, got {self.writer_start_timeout_s}"

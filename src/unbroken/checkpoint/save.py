@@ -5,7 +5,9 @@ call to the hand-off: the writer's in-flight save (``persisting.inflight``), the
 (``staging``), the resolve cache, the rescue's notes, the state's extras, the counters. In
 order, a save (``stage``): the previous save's overlapped copy is waited for; a save while the
 previous one persists is skipped (``on_busy`` "skip": with the memory tier it is still a
-snapshot) or waits for it; the state is resolved into write items (``resolve``), the arena
+snapshot) or waits for it; while storage fails, a save inside the back-off is a snapshot too
+(``persisting.health``; under ``on_storage_failure="stop"``, the final attempt is waited for
+and ``StorageFailed`` raised when it fails); the state is resolved into write items (``resolve``), the arena
 prepared and a region taken (``staging``), what may change before ``optimizer.step`` copied
 now and the rest after, on the stager thread (``overlap``); a durable save is then handed to
 the writer process (``inflight``), and the blocking time is recorded as a ``ckpt_stage``
@@ -23,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from unbroken.checkpoint import node
-from unbroken.checkpoint.config import CheckpointConfig, CheckpointError
+from unbroken.checkpoint.config import CheckpointConfig, CheckpointError, StorageFailed
 from unbroken.checkpoint.persisting.hooks import WriterHooks
 from unbroken.checkpoint.persisting.inflight import CheckpointStats, Inflight
 from unbroken.checkpoint.staging.rescue import Notes
@@ -86,11 +88,13 @@ class Saves:
         self.closed = False
 
     def check(self) -> None:
-        """Raises:
-        CheckpointError: When closed, or once for an earlier save that failed."""
+        """Fail the save in flight when it is past its deadline (``Inflight.poll``).
+
+        Raises:
+            CheckpointError: When closed."""
         if self.closed:
             raise CheckpointError("this Checkpointer is closed")
-        self.inflight.check()
+        self.inflight.poll()
 
     def blocked(self, t0: float, step: int | None, part: str) -> float:
         """Record ``[t0, now]`` as the trainer blocked by ``part`` of a save.
@@ -112,22 +116,26 @@ class Saves:
                 self.stats.stall_s[-1] += end - t0
         self.inflight.wait_staged()
 
-    def wait(self) -> None:
-        """Block until the in-flight save is committed (``Checkpointer.wait``).
+    def wait(self) -> bool:
+        """Block until the in-flight save has an outcome (``Checkpointer.wait``).
+
+        Returns:
+            False when the newest save handed to the writer failed or was abandoned.
 
         Raises:
-            CheckpointError: When it failed, or the Checkpointer is closed.
+            CheckpointError: When the Checkpointer is closed.
         """
         self.check()
         self.wait_staged()
         inflight = self.inflight.current
         if inflight is None:
-            return
+            return True
         with node.waiting():  # no progress, for a known reason (``node``)
             self.inflight.wait_done()
             if self.rank != 0 and inflight.outcome == "persisted":
                 self.inflight.wait_commit_on_disk(inflight)
         self.check()
+        return inflight.outcome in ("persisted", "committed")
 
     def save(self, step: int, state: Mapping[str, Any], *, durable: bool) -> bool:
         """``stage`` in the ``save`` phase when ``durable``.
@@ -163,10 +171,19 @@ class Saves:
         waited = 0.0
         busy = self.inflight.busy()
         skipped = False
-        if busy and durable:
+        health = self.inflight.health
+        final = durable and health.final_due()  # "stop": the last attempt, waited for
+        held_back = None if final or not durable else health.hold()
+        if held_back:  # storage failing: back off (still a snapshot in memory)
+            self.inflight.skip(step, held_back)
+            if not self.config.memory_tier:
+                self.stats.blocking_s += time.time() - t0
+                return False
+            durable, skipped = False, True
+        elif busy and durable:
             current = self.inflight.current
             assert current is not None
-            if self.config.mode == "async" and self.config.on_busy == "skip":
+            if self.config.mode == "async" and self.config.on_busy == "skip" and not final:
                 self.inflight.skip(step, f"the save of step {current.step} is still persisting")
                 if not self.config.memory_tier:
                     self.stats.blocking_s += time.time() - t0
@@ -177,7 +194,11 @@ class Saves:
                     self.inflight.wait_done()
                 waited = time.time() - t0
                 busy = False
-        writer = self.inflight.start_writer(self.hooks)
+        writer = None
+        if durable or not health.failing:  # no new writer for a snapshot while storage fails
+            writer, fresh = self.inflight.start_writer(self.hooks)
+            if fresh:
+                self.staging.new_writer()
         t1 = time.time()
         resolved = resolve_for_save(
             state,
@@ -243,8 +264,10 @@ class Saves:
         if durable:
             self.stats.saves += 1
             phases.entered("persist")  # handed to the writer (or on its way to it)
-            if self.config.mode == "sync":
-                self.wait()
+            if self.config.mode == "sync" or final:
+                ok = self.wait()
+                if final and not ok:
+                    raise StorageFailed(self._stopping(step))
         end = time.time()
         self.stats.stall_s.append(end - t0)
         self.stats.blocking_s += end - t0
@@ -267,6 +290,17 @@ class Saves:
             **(process_memory() if durable else {}),  # /proc, once per durable save
         )
         return not skipped
+
+    def _stopping(self, step: int) -> str:
+        status = self.inflight.health.status()
+        failing_s = 0.0 if status.failing_since is None else time.time() - status.failing_since
+        return (
+            f"checkpoint storage has failed for {failing_s:.0f} s "
+            f"(storage_failure_limit_s={self.config.storage_failure_limit_s:g}) and the final "
+            f"save, of step {step}, failed too: {status.last_error}. on_storage_failure='stop' "
+            f"ends the job; the newest committed checkpoint ({self.inflight.last_committed_on_disk()}) "
+            "is intact: fix the storage and start the job again"
+        )
 
     def note(self, step: int, state: Mapping[str, Any]) -> bool:
         """Note ``step`` of ``state`` without staging it (``rescue.Notes.take``).

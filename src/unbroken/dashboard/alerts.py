@@ -17,6 +17,9 @@ rules (thresholds in ``AlertConfig``):
   ``min_goodput`` (at most once per window length).
 - ``ckpt_skipped`` (warning): ``skipped_in_a_row`` saves skipped on the reference rank without
   a commit between (once per run of skips).
+- ``checkpoint_storage_failing`` (warning): the newest failed save is newer than the newest
+  commit (``RunReport.storage``: ``ledger.unprotected``): training goes on from the memory tier,
+  but a lost node loses every step since that commit; one per unprotected interval.
 - ``straggler`` (warning): a rank named a straggler by its busy ratio (``RunReport.stragglers``:
   ``ledger.stragglers``), slowing every rank in a synchronous job; one per episode. It is
   not restarted: a slow rank is no hung rank.
@@ -38,6 +41,7 @@ from unbroken.dashboard.index import EventIndex
 from unbroken.ledger import events as ev
 from unbroken.ledger.events import Event
 from unbroken.ledger.goodput import FaultRecord, RunReport, compute
+from unbroken.ledger.unprotected import STORAGE_FAILING
 
 SEVERITIES = ("info", "warning", "page")
 
@@ -269,6 +273,7 @@ def evaluate(
             )
         )
     out.extend(_checkpoint_alerts(index, steps, now=now, cfg=cfg))
+    out.extend(_storage_alert(index, report))
     for x in report.stragglers:
         out.append(
             Alert(
@@ -331,8 +336,8 @@ def _checkpoint_alerts(
     for e in ckpt:
         if e.kind == ev.CKPT_COMMIT:
             skips = []
-        elif e.kind == ev.CKPT_SKIP:
-            skips.append(e)
+        elif e.kind == ev.CKPT_SKIP and not str(e.get("reason", "")).startswith(STORAGE_FAILING):
+            skips.append(e)  # a save held back by failing storage: checkpoint_storage_failing
     distinct = sorted({int(e.get("step", -1)) for e in skips})
     if len(distinct) >= cfg.skipped_in_a_row:
         reason = str(skips[-1].get("reason", ""))
@@ -345,3 +350,29 @@ def _checkpoint_alerts(
             labels={"reason": reason.split(":")[0]},
             value=float(len(distinct)),
         )
+
+
+def _storage_alert(index: EventIndex, report: RunReport) -> Iterable[Alert]:
+    storage = report.storage
+    if storage.failing_since is None:
+        return
+    begin, end = storage.intervals[-1]
+    commits = index.get(ev.CKPT_COMMIT)
+    newest = max(commits, key=lambda e: e.ts).get("step") if commits else None
+    since = "none yet" if newest is None else f"step {newest}"
+    error = (storage.last_error or "").strip().splitlines()
+    n = storage.failed_saves
+    yield Alert(
+        name="checkpoint_storage_failing",
+        severity="warning",
+        key=f"checkpoint_storage_failing:{begin:.3f}",
+        summary=(
+            f"checkpoint storage failing: {n} save{'s' if n != 1 else ''} failed"
+            + (f" (last error: {error[0][:200]})" if error else "")
+            + "; training goes on from the memory tier, but a lost node loses every step since "
+            f"the newest commit ({since})"
+        ),
+        ts=begin,
+        labels={"error": error[0].split(":")[0][:60] if error else ""},
+        value=end - begin,
+    )

@@ -13,6 +13,11 @@ above the report's figure for such a category; a fresh exporter (a new process r
 ledger) exports exactly the report's figures. Since the launcher's exporter lives as long as the
 job, worker restarts never reset its counters.
 
+Checkpoint storage (``unbroken.ledger.unprotected``): ``unbroken_checkpoint_storage_failing`` is 1
+while the newest failed save is newer than the newest commit (the run has no durable checkpoint
+newer than that failure); ``unbroken_checkpoint_unprotected_seconds`` is the report's
+``storage.unprotected_s``; ``unbroken_checkpoint_saves_failed_total`` counts failed saves.
+
 Per fault class (``unbroken.ledger.fault_classes``): ``unbroken_faults_total`` carries the
 fault's ``kind``, ``class`` and ``phase``; ``unbroken_failed_restarts_total{class}`` counts
 restart rounds that did not bring training back; ``unbroken_fault_recovery_seconds{class}`` is
@@ -156,6 +161,9 @@ class LedgerCollector:
         lost = self._counter("unbroken_steps_lost", "Steps rolled back by faults", [])
         skipped = self._counter("unbroken_checkpoint_saves_skipped", "Checkpoint saves skipped", [])
         commits = self._counter("unbroken_checkpoint_commits", "Checkpoints committed", [])
+        failed_saves = self._counter(
+            "unbroken_checkpoint_saves_failed", "Checkpoint saves that failed", []
+        )
         launcher = self._counter(
             "unbroken_launcher_restarts", "Launcher restart rounds (all nodes)", []
         )
@@ -206,6 +214,7 @@ class LedgerCollector:
             ck = snap.get("checkpoint", {})
             self._add(skipped, [run], ck.get("skipped_total", 0))
             self._add(commits, [run], len(w.index.get(ev.CKPT_COMMIT)))
+            self._add(failed_saves, [run], rep.storage.failed_saves)
             rs = snap.get("restarts", {})
             self._add(launcher, [run], rs.get("launcher_used", 0))
             g.run(run, w, snap)
@@ -229,6 +238,7 @@ class LedgerCollector:
             lost,
             skipped,
             commits,
+            failed_saves,
         )
         yield from (launcher, failed, _recovery_by_class(reports))
         yield _histogram(
@@ -269,6 +279,14 @@ class _Gauges:
         "unbroken_checkpoint_steps_since_commit": ("Steps completed since it", []),
         "unbroken_checkpoint_skipped_in_a_row": ("Saves skipped since the last commit", []),
         "unbroken_checkpoint_in_flight": ("Saves staged, not yet committed", []),
+        "unbroken_checkpoint_storage_failing": (
+            "1 while the newest failed save is newer than the newest commit, else 0",
+            [],
+        ),
+        "unbroken_checkpoint_unprotected_seconds": (
+            "Time from a failed save to the next commit (or the ledger's end), summed",
+            [],
+        ),
         "unbroken_checkpoint_staging_bytes": ("Size of the staging arena", []),
         "unbroken_checkpoint_writer_rss_bytes": ("RSS of the checkpoint writer", []),
         "unbroken_heartbeat_age_seconds": ("Seconds since the rank's last step", ["rank"]),
@@ -320,6 +338,8 @@ class _Gauges:
         if ck.get("enabled"):
             s("unbroken_checkpoint_skipped_in_a_row", [run], ck.get("skipped_in_a_row"))
             s("unbroken_checkpoint_in_flight", [run], ck.get("in_flight"))
+            s("unbroken_checkpoint_storage_failing", [run], bool(ck.get("storage_failing")))
+            s("unbroken_checkpoint_unprotected_seconds", [run], ck.get("unprotected_s", 0.0))
         s("unbroken_checkpoint_staging_bytes", [run], ck.get("staging_bytes"))
         s("unbroken_checkpoint_writer_rss_bytes", [run], ck.get("writer_rss_bytes"))
         for r in snap.get("ranks", []):

@@ -20,7 +20,11 @@ records here, by these definitions:
 - checkpoint freshness: the newest ``ckpt_commit``'s step and age, steps completed since it,
   saves skipped (total, and in a row since the last commit), saves in flight (staged by the
   reference rank, neither committed nor failed nor skipped), staging memory and writer RSS from
-  the newest ``ckpt_stage`` / ``ckpt_persist`` records.
+  the newest ``ckpt_stage`` / ``ckpt_persist`` records;
+- checkpoint storage: the report's ``storage`` (``unbroken.ledger.unprotected``): failed saves,
+  saves held back, the seconds the run went unprotected by durable checkpoints (up to the
+  ledger's newest record), the last error, and ``storage_failing``: the newest save failure
+  is newer than the newest commit (since ``storage_failing_since``, epoch seconds).
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from unbroken.ledger import events as ev
 from unbroken.ledger.events import Event
 from unbroken.ledger.goodput import ML_GOODPUT, RunReport
 from unbroken.ledger.stragglers import judge
+from unbroken.ledger.unprotected import StorageFailures
 
 MAX_POINTS = 2000
 RATE_WINDOW_S = 30.0
@@ -63,7 +68,9 @@ def status_of(index: EventIndex) -> str:
     return "ok" if all(e.get("status") == "ok" for e in ends) else "failed"
 
 
-def _checkpoint(index: EventIndex, steps_ts: list[tuple[float, int]], now: float) -> dict[str, Any]:
+def _checkpoint(
+    index: EventIndex, steps_ts: list[tuple[float, int]], now: float, storage: StorageFailures
+) -> dict[str, Any]:
     commit = stage = persist = None
     staged: dict[int, float] = {}
     done: set[int] = set()
@@ -102,7 +109,7 @@ def _checkpoint(index: EventIndex, steps_ts: list[tuple[float, int]], now: float
         since = len({s for t, s in steps_ts if t > commit.ts})
     persists.sort()
     return {
-        "enabled": bool(staged or commit is not None or skipped_total),
+        "enabled": bool(staged or commit is not None or skipped_total or storage.failed_saves),
         "last_commit_step": commit_step,
         "last_commit_ts": None if commit is None else commit.ts,
         "last_commit_age_s": None if commit is None else max(0.0, now - commit.ts),
@@ -117,6 +124,12 @@ def _checkpoint(index: EventIndex, steps_ts: list[tuple[float, int]], now: float
         "persist_s_last": persists[-1][2] if persists else None,
         "persist_s_median": statistics.median(p[2] for p in persists) if persists else None,
         "persist_series": [[p[1], p[2]] for p in persists[-200:]],
+        "storage_failing": storage.failing,
+        "storage_failing_since": storage.failing_since,
+        "unprotected_s": storage.unprotected_s,
+        "failed_saves": storage.failed_saves,
+        "saves_held_back": storage.saves_held_back,
+        "last_error": storage.last_error,
     }
 
 
@@ -215,7 +228,7 @@ def build(
             {**x.to_dict(), "t": x.begin_ts - t0, "duration_s": x.end_ts - x.begin_ts}
             for x in report.stragglers
         ],
-        "checkpoint": _checkpoint(index, points, now),
+        "checkpoint": _checkpoint(index, points, now, report.storage),
         "ranks": _ranks(index, now),
         "restarts": {
             "launcher_used": used,

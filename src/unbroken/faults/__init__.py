@@ -1,8 +1,9 @@
 """Fault injection from a deterministic plan.
 
-Owns the plan format (YAML) and the injectors that fire it, the slow-storage fault's control
-files with the checkpoint writer hooks that obey them (``throttle``), the slow rank's CPU
-throttle (``slowrank``) and the network fault's request to the emulated cluster (``link``).
+Owns the plan format (YAML) and the injectors that fire it, the slow-storage and storage-fail
+faults' control files with the checkpoint writer hooks that obey them (``throttle``,
+``storagefail``), the slow rank's CPU throttle (``slowrank``) and the network fault's request
+to the emulated cluster (``link``).
 The storage faults act on the checkpoint directory through its torch-free on-disk layout; the
 ledger is passed in as a ``Recorder``. Never imports torch at import time. Imports of ours:
 ``unbroken.errors``, ``unbroken.env``, ``unbroken.ledger``, ``unbroken.checkpoint.layout``.

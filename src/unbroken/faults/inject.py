@@ -12,8 +12,8 @@ that an ``occurrence`` fault counts are kept in ``<run_dir>/faults/phases/r<rank
 
 The ``fault_injected`` record is flushed before anything lethal. A kind that changes state
 first (``checkpoint-corruption``: the bytes it flipped; ``node-loss``: who dies) records what
-it did in that record; a kind that ends no process (``slow-storage``, ``slow-rank``,
-``network``) says ``disruptive: false``, so that goodput opens no outage for it, and one that
+it did in that record; a kind that ends no process (``slow-storage``, ``storage-fail``,
+``slow-rank``, ``network``) says ``disruptive: false``, so that goodput opens no outage for it, and one that
 degrades for a while (``slow-rank``: ``slowrank``; ``network``: ``link``, applied by the
 emulated cluster) records its ``window_s`` and how it was applied (``mechanism``,
 ``applied``), or why not.
@@ -30,12 +30,16 @@ from pathlib import Path
 from typing import Any
 
 from unbroken.checkpoint import layout
-from unbroken.faults import link, node, oom, slowrank, storage, throttle
+from unbroken.faults import link, node, oom, slowrank, storage, storagefail, throttle
 from unbroken.faults.plan import FaultPlan, FaultSpec
 from unbroken.ledger import NULL, Recorder
 from unbroken.ledger import events as ev
 
 logger = logging.getLogger(__name__)
+
+
+Hooks = throttle.SlowStorage | storagefail.FailingStorage | storagefail.Combined
+"""The checkpoint writer hooks a plan may need (``FaultInjector.writer_hooks``)."""
 
 
 class InjectedFault(RuntimeError):
@@ -103,7 +107,7 @@ class FaultInjector:
         """The newest step this process completed (``on_step``)."""
         self._phased = plan.in_phase(rank)
 
-    def hooks_for(self, root: Path) -> throttle.SlowStorage | None:
+    def hooks_for(self, root: Path) -> Hooks | None:
         """A Checkpointer under ``root`` was made: the storage faults act on its directory
         from now on.
 
@@ -116,16 +120,23 @@ class FaultInjector:
         self.ckpt_dir = Path(root)
         return self.writer_hooks()
 
-    def writer_hooks(self) -> throttle.SlowStorage | None:
+    def writer_hooks(self) -> Hooks | None:
         """The checkpoint writer hooks this plan needs (``Checkpointer(hooks=...)``).
 
         Returns:
-            The slow-storage ones when the plan holds a slow-storage fault (it may target any
-                rank), else None.
+            ``storagefail.FailingStorage`` when the plan holds a storage-fail fault,
+                ``throttle.SlowStorage`` when it holds a slow-storage fault (either may target
+                any rank), both in a ``storagefail.Combined`` when it holds both, else None.
         """
-        if any(f.kind == "slow-storage" for f in self.plan.faults):
-            return throttle.SlowStorage()
-        return None
+        kinds = {f.kind for f in self.plan.faults}
+        hooks: list[storagefail.FailingStorage | throttle.SlowStorage] = []
+        if "storage-fail" in kinds:  # first: a save failed at its start is not slowed
+            hooks.append(storagefail.FailingStorage())
+        if "slow-storage" in kinds:
+            hooks.append(throttle.SlowStorage())
+        if len(hooks) > 1:
+            return storagefail.Combined(*hooks)
+        return hooks[0] if hooks else None
 
     def fired(self) -> list[int]:
         """The faults already fired in this run (by any process).
@@ -218,6 +229,8 @@ class FaultInjector:
             extra["mechanism"] = oom.mechanism()
         elif spec.kind == "slow-storage":
             extra = self._slow_storage(spec)
+        elif spec.kind == "storage-fail":
+            extra = self._storage_fail(spec)
         elif spec.kind == "checkpoint-corruption":
             extra = self._corrupt(spec)
         elif spec.kind == "slow-rank":
@@ -290,6 +303,32 @@ class FaultInjector:
             bytes_per_s=cfg["mbps"] * 1e6,
             saves=cfg["saves"],
             seconds=cfg["seconds"],
+        )
+        out["control"] = str(path)
+        return out
+
+    def _storage_fail(self, spec: FaultSpec) -> dict[str, Any]:
+        cfg = spec.settings()
+        targets = spec.targets()
+        out: dict[str, Any] = {
+            "error": cfg["error"],
+            "saves": cfg["saves"],
+            "ranks": "all" if targets is None else targets,
+            "emulated": True,  # raised at the writer's I/O boundary, not by a file system
+        }
+        if cfg["stall_s"] is not None:
+            out["stall_s"] = cfg["stall_s"]
+        if not self.ckpt_dir.is_dir():
+            out["control"] = None
+            out["reason"] = f"no checkpoint directory {self.ckpt_dir}: no save to fail"
+            return out
+        path = storagefail.write_control(
+            self.ckpt_dir,
+            index=spec.index,
+            ranks=targets,
+            error=cfg["error"],
+            saves=cfg["saves"],
+            stall_s=cfg["stall_s"],
         )
         out["control"] = str(path)
         return out

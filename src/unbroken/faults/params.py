@@ -9,6 +9,13 @@ from typing import Any
 
 CORRUPTION_TARGETS = ("data", "manifest")
 
+STORAGE_ERRORS = ("full", "readonly", "eio", "vanish", "flock", "stall")
+"""How a storage-fail fault's saves fail (``unbroken.faults.storagefail``)."""
+
+STALL_S = 3600.0
+"""How long a storage-fail stall blocks the write by default: beyond any sane
+``persist_timeout_s``, so that the Checkpointer's timeout ends it."""
+
 MAX_WINDOW_S = 86_400.0
 """Longest a degrading fault (slow-rank, network) may last."""
 
@@ -19,6 +26,16 @@ PARAMS: dict[str, dict[str, tuple[Any, str]]] = {
         "saves": (3, "an integer >= 1 (saves throttled; the default unless seconds is given)"),
         "seconds": (None, "a number > 0 (seconds throttled, instead of saves)"),
         "ranks": (None, "'all' or a list of ranks (default: the fault's rank)"),
+    },
+    "storage-fail": {
+        "error": ("full", f"one of {', '.join(STORAGE_ERRORS)}"),
+        "saves": (1, "an integer >= 1 (saves of each rank that fail)"),
+        "ranks": ("all", "'all' or a non-empty list of ranks (whose saves fail)"),
+        "stall_s": (
+            None,
+            f"a number in (0, {MAX_WINDOW_S:g}] (how long a stalled write blocks; only with "
+            f"error: stall, which defaults it to {STALL_S:g})",
+        ),
     },
     "checkpoint-corruption": {
         "target": ("data", f"one of {', '.join(CORRUPTION_TARGETS)}"),
@@ -90,6 +107,8 @@ def check_params(kind: str, params: Mapping[str, Any], *, where: str) -> None:
             and not (isinstance(ranks, list) and ranks and all(is_int(r) and r >= 0 for r in ranks))
         ):
             raise _param_error(where, "ranks", ranks, kind)
+    elif kind == "storage-fail":
+        _check_storage_fail(params, where=where)
     elif (
         kind == "checkpoint-corruption"
         and "target" in params
@@ -102,6 +121,33 @@ def check_params(kind: str, params: Mapping[str, Any], *, where: str) -> None:
             raise _param_error(where, "limit_mb", limit, kind)
     elif kind in ("slow-rank", "network"):
         _check_degrading(kind, params, where=where)
+
+
+def _check_storage_fail(params: Mapping[str, Any], *, where: str) -> None:
+    """The parameters of storage-fail (see PARAMS)."""
+    kind = "storage-fail"
+    error = params.get("error", "full")
+    if not (isinstance(error, str) and error in STORAGE_ERRORS):
+        raise _param_error(where, "error", error, kind)
+    saves: Any = params.get("saves")
+    if "saves" in params and not (is_int(saves) and saves >= 1):
+        raise _param_error(where, "saves", saves, kind)
+    ranks = params.get("ranks")
+    if (
+        "ranks" in params
+        and ranks != "all"
+        and not (isinstance(ranks, list) and ranks and all(is_int(r) and r >= 0 for r in ranks))
+    ):
+        raise _param_error(where, "ranks", ranks, kind)
+    if "stall_s" in params:
+        stall = params["stall_s"]
+        if not (_number(stall) and 0 < stall <= MAX_WINDOW_S):
+            raise _param_error(where, "stall_s", stall, kind)
+        if error != "stall":
+            raise ValueError(
+                f"{where}: stall_s applies only to error: stall (got error: {error}); "
+                "remove stall_s or set error: stall"
+            )
 
 
 def _check_degrading(kind: str, params: Mapping[str, Any], *, where: str) -> None:

@@ -13,6 +13,7 @@ parameters listed there (checked when the plan is parsed), ``FaultSpec.settings(
 their defaults::
 
       - {step: 20, rank: 0, kind: slow-storage, mbps: 2, saves: 3, ranks: all}
+      - {step: 30, rank: 0, kind: storage-fail, error: full, saves: 2, ranks: [1]}
       - {step: 40, rank: 1, kind: checkpoint-corruption, target: manifest}
       - {step: 60, rank: 1, kind: node-loss}
       - {step: 80, rank: 1, kind: slow-rank, cpu: 0.5, seconds: 30}
@@ -52,7 +53,7 @@ from typing import Any, Literal, cast, get_args
 
 import yaml
 
-from unbroken.faults.params import PARAMS, check_params, is_int, names
+from unbroken.faults.params import PARAMS, STALL_S, check_params, is_int, names
 from unbroken.ledger.phases import check_name
 
 FaultKind = Literal[
@@ -65,6 +66,7 @@ FaultKind = Literal[
     "segfault",
     "oom-kill",
     "slow-storage",
+    "storage-fail",
     "checkpoint-corruption",
     "node-loss",
     "slow-rank",
@@ -96,6 +98,14 @@ KINDS: dict[FaultKind, str] = {
         "throttled to mbps MB/s (default 5) for its next saves saves (default 3) or for seconds "
         "s; training goes on, saves due meanwhile are skipped, nothing restarts"
     ),
+    "storage-fail": (
+        "from this step on, the next saves saves (default 1) of the checkpoint writer of every "
+        "rank (ranks: a list of them) fail as failing storage fails them: error full (ENOSPC, "
+        "the default), readonly (EROFS), eio (EIO), vanish (ENOENT: the save's directory is "
+        "gone), flock (ENOLCK) or stall (the write blocks for stall_s s, default 3600, until "
+        "persist_timeout_s kills the writer); emulated: raised at the writer's I/O boundary, "
+        "not by a file system; the fault ends no process"
+    ),
     "checkpoint-corruption": (
         "flip bytes in the middle of the newest committed checkpoint's data file of the rank "
         "(target: manifest - its manifest), fsync, then SIGKILL: restore must reject it and "
@@ -120,7 +130,7 @@ KINDS: dict[FaultKind, str] = {
 
 assert tuple(KINDS) == get_args(FaultKind), "KINDS describes every FaultKind, in order"
 
-NON_DISRUPTIVE = frozenset({"slow-storage", "slow-rank", "network"})
+NON_DISRUPTIVE = frozenset({"slow-storage", "storage-fail", "slow-rank", "network"})
 """Kinds that end no process: nothing restarts, so goodput counts no outage for them (their
 ``fault_injected`` record says ``disruptive: false``)."""
 
@@ -208,6 +218,8 @@ class FaultSpec:
             if out["ranks"] is None:
                 out["ranks"] = [self.rank]
             out["mbps"] = float(out["mbps"])
+        if self.kind == "storage-fail" and out["error"] == "stall":
+            out["stall_s"] = float(STALL_S if out["stall_s"] is None else out["stall_s"])
         for name in ("cpu", "seconds", "delay_ms", "loss"):
             if self.kind in ("slow-rank", "network") and name in out:
                 out[name] = float(out[name])
@@ -219,7 +231,7 @@ class FaultSpec:
         Returns:
             Every rank it acts on, sorted (None: every rank of the world).
         """
-        if self.kind == "slow-storage":
+        if self.kind in ("slow-storage", "storage-fail"):
             ranks = self.settings()["ranks"]
             return None if ranks == "all" else sorted(set(ranks))
         if self.kind == "network":  # the rank's links to its peers

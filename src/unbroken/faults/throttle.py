@@ -58,18 +58,21 @@ def write_control(
     return path
 
 
-def _used_path(control: Path, rank: int) -> Path:
+def used_path(control: Path, rank: int) -> Path:
+    """Where the saves of ``rank`` that the fault of ``control`` acted on are counted."""
     return control.with_name(f"{control.stem}.rank-{rank}.used")
 
 
-def _read_used(path: Path) -> int:
+def read_used(path: Path) -> int:
+    """The count in ``path`` (0: none yet, or unreadable)."""
     try:
         return int(path.read_text())
     except (OSError, ValueError):
         return 0
 
 
-def _write_used(path: Path, used: int) -> None:
+def write_used(path: Path, used: int) -> None:
+    """Replace the count in ``path`` atomically."""
     write_atomic(path, str(used))  # a restarted writer goes on counting from here
 
 
@@ -108,10 +111,10 @@ def save_rate(root: Path, *, rank: int, now: float) -> float | None:
         if until is not None and now >= float(until):
             continue
         if saves is not None:
-            used_path = _used_path(path, rank)
-            used = _read_used(used_path)
+            counter = used_path(path, rank)
+            used = read_used(counter)
             if used >= int(saves):
                 continue
-            _write_used(used_path, used + 1)
+            write_used(counter, used + 1)
         rates.append(rate)
     return min(rates) if rates else None

@@ -153,7 +153,7 @@ class _Workload:
                 self.bad(
                     at,
                     f"FailJob on {codes.get('operator')} {got}; unbroken-run gives up with "
-                    f"{want} (2 bad flags, 3 restart budget exhausted, 4 no progress)",
+                    f"{want} (2 bad flags, 3 restart budget exhausted, 4 no progress, 6 storage failed)",
                 )
             if codes.get("containerName") not in (None, trainer):
                 self.bad(

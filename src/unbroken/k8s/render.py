@@ -36,7 +36,12 @@ STORE = "rdzv"
 """Name of the store's container and port."""
 METRICS = "metrics"
 """Name of the metrics port."""
-GIVE_UP_CODES = (lerrors.EXIT_USAGE, lerrors.EXIT_BUDGET_EXHAUSTED, lerrors.EXIT_NO_PROGRESS)
+GIVE_UP_CODES = (
+    lerrors.EXIT_USAGE,
+    lerrors.EXIT_BUDGET_EXHAUSTED,
+    lerrors.EXIT_NO_PROGRESS,
+    lerrors.EXIT_STORAGE_FAILED,
+)
 """unbroken-run's exit codes after which a new pod would fail the same way."""
 INDEX_ENV = "JOB_COMPLETION_INDEX"
 INDEX_ANNOTATION = "batch.kubernetes.io/job-completion-index"

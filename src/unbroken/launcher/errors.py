@@ -9,6 +9,8 @@ Exit codes of ``unbroken-run``:
 3           restart budget exhausted (``--max-restarts`` failures already restarted)
 4           no progress: ``max_no_progress_restarts`` restarts in a row without a new step
 5           rendezvous failed (timeout, closed by another agent, store unreachable)
+6           checkpoint storage failed for good: a worker exited with ``EXIT_STORAGE``, 74
+            (``on_storage_failure="stop"``)
 128 + N     the agent received signal N (SIGTERM, SIGINT, ...) and stopped its workers
 ==========  ======================================================================
 
@@ -38,6 +40,7 @@ EXIT_USAGE = 2
 EXIT_BUDGET_EXHAUSTED = 3
 EXIT_NO_PROGRESS = 4
 EXIT_RENDEZVOUS_FAILED = 5
+EXIT_STORAGE_FAILED = 6
 
 REASONS = {
     EXIT_USAGE: "config_error",

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from unbroken.errors import EXIT_CONFIG
+from unbroken.errors import EXIT_CONFIG, EXIT_STORAGE
 from unbroken.launcher import errors
 from unbroken.launcher.errors import Failure
-from unbroken.launcher.machine import CONFIG_CAUSE
+from unbroken.launcher.machine import CONFIG_CAUSE, STORAGE_CAUSE
 from unbroken.launcher.monitor import Hang
 from unbroken.launcher.workers import WorkerExit
 
@@ -23,6 +23,9 @@ def from_exit(x: WorkerExit, *, round_: int) -> Failure:
     if x.signum is None and x.exit_code == EXIT_CONFIG:
         cause, category = CONFIG_CAUSE, "user"
         message = f"configuration error (exit code {EXIT_CONFIG}): {message}"
+    elif x.signum is None and x.exit_code == EXIT_STORAGE:
+        cause, category = STORAGE_CAUSE, "infra"
+        message = f"checkpoint storage failed for good (exit code {EXIT_STORAGE}): {message}"
     return Failure(
         rank=x.rank,
         local_rank=x.local_rank,

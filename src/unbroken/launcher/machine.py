@@ -31,6 +31,8 @@ from unbroken.launcher.errors import Failure
 
 CONFIG_CAUSE = "config"
 """A failure's cause for a worker that exited with ``unbroken.errors.EXIT_CONFIG``."""
+STORAGE_CAUSE = "storage"
+"""A failure's cause for a worker that exited with ``unbroken.errors.EXIT_STORAGE``."""
 
 
 class State(enum.Enum):
@@ -176,6 +178,8 @@ class Machine:
             return self._go(State.RENDEZVOUS)
         if any(f.cause == CONFIG_CAUSE for f in self.failures):  # no restart can fix it
             return self._fail(errors.EXIT_USAGE)
+        if any(f.cause == STORAGE_CAUSE for f in self.failures):  # nor storage that failed
+            return self._fail(errors.EXIT_STORAGE_FAILED)
         if progress is not None:  # a job that reports no step is never stopped for it
             if self._last_progress is not None and progress <= self._last_progress:
                 self.no_progress_streak += 1

@@ -58,6 +58,7 @@ INJECTED_CLASSES: dict[str, str] = {
     "oom-kill": "crash",
     "node-loss": "node",
     "slow-storage": "storage",
+    "storage-fail": "storage",
     "checkpoint-corruption": "storage",
     "slow-rank": "degradation",
     "network": "degradation",

@@ -14,7 +14,8 @@ Reference timeline
     rank only (``reference_rank``, default 0, in every attempt and iteration). Fault records
     (``fault_injected``, ``fault_detected``, ``restart_begin``/``restart_end``, ``worker_exit``)
     are taken from every rank, the launcher (rank -1) included; ``worker_exit``, ``escalate``
-    and the ``ckpt_persist``/``commit`` records inform no figure beyond ``t0``/``t1``.
+    and ``ckpt_persist`` records inform no figure beyond ``t0``/``t1``, ``ckpt_commit`` and
+    ``ckpt_fail`` none beyond those and ``storage``.
 
 Steps
     A ``step`` record carries ``step`` (the step number) and ``dur_s``. One step number may be
@@ -136,6 +137,19 @@ Degradation (``degraded``)
     summed ``dur_s`` - their number x ``step_time_s_outside``). ``degraded_s`` of the run:
     the same over the steps inside any window (0.0 without one).
 
+Checkpoint storage (``storage``: ``unprotected.storage_failures`` up to ``t1``)
+    A failed save does not stop training (the memory tier holds the state), but until a
+    checkpoint commits again a lost node loses everything since the newest commit. An
+    *unprotected interval* begins at the first ``ckpt_fail`` (on any rank) after the newest
+    ``ckpt_commit`` (or after the run's start if there is none), and ends at the next
+    ``ckpt_commit``, or at ``t1`` if none comes; at equal ``ts`` the commit comes second. A
+    ``ckpt_fail`` with ``phase: "load"`` (a checkpoint rejected at restore) is no save and is
+    left out. ``unprotected_s``: the sum of those intervals (0.0 without a failure);
+    ``failing_since``: the begin of the one still open at ``t1`` (the newest failure is newer
+    than the newest commit), else None; ``failed_saves``: the distinct saves (attempt,
+    iteration, step) that failed; ``saves_held_back``: those skipped with a ``reason`` that
+    begins "storage failing"; ``last_error``: the newest failure's ``error``.
+
 Stragglers (``stragglers``)
     Every rank's ``step`` records that carry ``busy_s`` (the training thread's time on or
     waiting for a CPU during the step) give ``stragglers``: ``stragglers.find`` over windows
@@ -151,7 +165,8 @@ per folded step (24 with ``busy_s``).
 Files: this one (the partition and the figures), ``runreport`` (the report and the categories),
 ``fault_records`` (the walk over faults),
 ``fault_classes`` (a fault's class and phase) and ``fault_summary`` (the figures per class and
-per phase); ``degraded`` (the windows' cost) and ``stragglers``.
+per phase); ``degraded`` (the windows' cost), ``stragglers`` and ``unprotected`` (the storage
+failures).
 """
 
 from __future__ import annotations
@@ -199,6 +214,7 @@ from unbroken.ledger.runreport import (
     OTHER,
     RunReport,
 )
+from unbroken.ledger.unprotected import StorageFailures, storage_failures
 
 __all__ = [
     "BADPUT_CATEGORIES",
@@ -207,6 +223,7 @@ __all__ = [
     "OTHER",
     "FaultRecord",
     "RunReport",
+    "StorageFailures",
     "compute",
 ]
 
@@ -457,6 +474,7 @@ def compute(
             t1=t1,
             window_s=stragglers.window_for(float(e.dur_s or 0.0) for e in timeline.ref_steps),
         ),
+        storage=storage_failures(ordered, t1=t1),
     )
 
 

@@ -1,8 +1,9 @@
 """A self-contained HTML report of one or more runs: inline SVG charts, no script, no network.
 
 Charts: step vs wall time per run with faults marked; a goodput/badput bar per run; a per-fault
-table; the recovery figures per fault class and per phase. Every chart is plain SVG computed here, so the file renders the same in any browser,
-offline, and a test can check that each chart has drawn marks.
+table; the recovery figures per fault class and per phase; a line per run whose checkpoint saves
+failed (how long it went unprotected). Every chart is plain SVG computed here, so the file
+renders the same in any browser, offline, and a test can check that each chart has drawn marks.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from dataclasses import dataclass
 from unbroken.ledger.events import STEP, Event
 from unbroken.ledger.fault_summary import FaultFigures
 from unbroken.ledger.goodput import RunReport
+from unbroken.ledger.report import storage_line
 
 # One colour per category; productive first. Colour-blind-safe-ish (Okabe-Ito + greys).
 COLORS = {
@@ -208,6 +210,16 @@ def _summary_table(views: Sequence[RunView]) -> str:
     return f'<table class="summary">{head}{"".join(rows)}</table>'
 
 
+def _storage_lines(views: Sequence[RunView]) -> str:
+    """One warning line per run whose checkpoint saves failed ("" when none did)."""
+    lines = [(v.label, storage_line(v.report.storage)) for v in views]
+    return "".join(
+        f"<p class='warn storage-failing'>{_esc(label)}: {_esc(line)}</p>"
+        for label, line in lines
+        if line is not None
+    )
+
+
 def _fault_table(views: Sequence[RunView]) -> str:
     head = (
         "<tr><th>run</th><th>#</th><th>kind</th><th>class</th><th>phase</th><th>rank</th>"
@@ -303,6 +315,7 @@ h1{font-size:22px}h2{font-size:17px;margin-top:28px}
 table{border-collapse:collapse;font-size:13px}td,th{border:1px solid #ccc;padding:3px 8px;
 text-align:right}th{background:#f3f3f3}td:first-child,th:first-child{text-align:left}
 .note{color:#555;font-size:13px}
+.warn{background:#fff4e5;border-left:4px solid #E69F00;padding:4px 8px;font-size:13px}
 .fault-groups td:nth-child(2),.fault-groups th:nth-child(2){text-align:left}
 """
 
@@ -315,7 +328,7 @@ def render(views: Sequence[RunView], *, title: str = "unbroken goodput report") 
         "<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'>"
         f"<title>{_esc(title)}</title><style>{_CSS}</style></head><body>"
         f"<h1>{_esc(title)}</h1>"
-        f"<h2>Figures</h2>{_summary_table(views)}"
+        f"<h2>Figures</h2>{_summary_table(views)}{_storage_lines(views)}"
         "<p class='note'>training goodput = time of steps that survived ÷ wall time; "
         "infrastructure goodput = 1 − (shutdown + startup per fault: detected-to-resumed time) "
         "÷ wall time, the published definition; availability = 1 − fault-to-resumed time ÷ "

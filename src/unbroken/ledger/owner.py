@@ -49,6 +49,9 @@ _LOCK_TIMEOUT_S = 30.0
 _NO_LOCKS = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL)
 """flock's errors on a filesystem without locks (some FUSE and old NFS mounts)."""
 _READ_ONLY = (errno.EROFS, errno.EACCES, errno.EPERM)
+_FAILING = (errno.ENOSPC, errno.EDQUOT, errno.EIO, errno.EROFS)
+"""A write's errors on storage that is failing (full, over quota, I/O errors, turned
+read-only): the owner record cannot be written, and no checkpoint either until it recovers."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -224,7 +227,19 @@ def claim(directory: str | os.PathLike[str], *, job: str, takeover: bool, hint: 
             logger.warning("%s: job %r takes over from %s", root, job, owner.describe())
             owner = _write(root, job=job, previous=[*owner.previous, owner.job])
         elif owner is None:
-            owner = _write(root, job=job, previous=[])
+            try:
+                owner = _write(root, job=job, previous=[])
+            except OSError as e:
+                if e.errno not in _FAILING:
+                    raise
+                # Failing storage is a storage fault, not a reason to stop a job: nothing can
+                # be written here now, by this job or another; its saves fail and are retried.
+                logger.warning(
+                    "%s: cannot write its owner record (%s); using it without claiming it",
+                    root,
+                    e,
+                )
+                owner = OwnerRecord(job=job, host="", pid=0, since=time.time())
         try:  # converts a held LOCK_EX; we hold the lock file
             fcntl.flock(live_fd, fcntl.LOCK_SH)
         except OSError as e:

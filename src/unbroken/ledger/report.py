@@ -8,6 +8,7 @@ from collections.abc import Sequence
 
 from unbroken.ledger.fault_summary import FaultFigures
 from unbroken.ledger.goodput import ML_GOODPUT, RunReport
+from unbroken.ledger.unprotected import StorageFailures
 
 _FAULT_HEADERS = (
     "#",
@@ -130,6 +131,9 @@ def format_table(report: RunReport) -> str:
     ]
     width = max(len(name) for name, _ in header)
     lines = [f"{name.ljust(width)}  {value}" for name, value in header]
+    storage = storage_line(report.storage)
+    if storage is not None:
+        lines += ["", storage]
 
     lines += ["", "badput"]
     wall = report.wall_s
@@ -182,6 +186,37 @@ def format_table(report: RunReport) -> str:
         lines.append("no faults")
     lines += _degradation(report)
     return "\n".join(lines) + "\n"
+
+
+ERROR_CHARS = 200
+"""The most of an error message a one-line summary shows (its first line)."""
+
+
+def storage_line(storage: StorageFailures) -> str | None:
+    """One line on the failed checkpoint saves and the time the run went unprotected.
+
+    Args:
+        storage: The report's ``storage``.
+
+    Returns:
+        The line, or None when no save failed.
+    """
+    if not storage.failed_saves:
+        return None
+    n = storage.failed_saves
+    parts = [f"{n} save{'s' if n != 1 else ''} failed"]
+    if storage.saves_held_back:
+        parts.append(f"{storage.saves_held_back} held back")
+    unprotected = f"unprotected for {storage.unprotected_s:.1f} s"
+    if storage.failing:
+        unprotected += ", still at the end"
+    parts.append(unprotected)
+    line = "checkpoint storage failing: " + ", ".join(parts)
+    error = (storage.last_error or "").strip().splitlines()
+    if error:
+        first = error[0] if len(error[0]) <= ERROR_CHARS else error[0][: ERROR_CHARS - 1] + "…"
+        line += f" (last error: {first})"
+    return line
 
 
 def _degradation(report: RunReport) -> list[str]:

@@ -12,6 +12,7 @@ from typing import Any
 from unbroken.ledger.fault_records import FaultRecord
 from unbroken.ledger.fault_summary import FaultFigures
 from unbroken.ledger.stragglers import Straggler
+from unbroken.ledger.unprotected import StorageFailures
 
 # Partition categories in priority order, highest first ("other" is implicit, lowest).
 CATEGORIES = (
@@ -118,6 +119,8 @@ class RunReport:
     """What the degradations cost: their windows' steps' time beyond as many undegraded steps."""
     stragglers: list[Straggler] = field(default_factory=list)
     """Straggler episodes, by begin."""
+    storage: StorageFailures = field(default_factory=StorageFailures)
+    """Failed checkpoint saves and the time the run went unprotected by durable checkpoints."""
 
     def to_dict(self) -> dict[str, Any]:
         """The report as plain data (``unbroken report --json``).
@@ -130,5 +133,6 @@ class RunReport:
         out["by_class"] = {k: v.to_dict() for k, v in self.by_class.items()}
         out["by_phase"] = {k: v.to_dict() for k, v in self.by_phase.items()}
         out["stragglers"] = [s.to_dict() for s in self.stragglers]
+        out["storage"] = self.storage.to_dict()
         out["badput_s"] = {k: float(v) for k, v in self.badput_s.items()}
         return out

@@ -19,7 +19,8 @@ A configuration error is not a fault: no restart fixes it. ``fn`` raising ``Conf
 any ``ValueError`` before it completed its first step in the first iteration of the first
 launcher attempt (bad input found while setting up), ends ``run`` on that rank at once as a
 ``ConfigError`` (``unbroken.main`` exits with ``EXIT_CONFIG``; ``unbroken-run`` then ends the
-job with exit code 2); its peers are told, as for ``KeyboardInterrupt``.
+job with exit code 2); its peers are told, as for ``KeyboardInterrupt``. So does a ``StopJob``
+(storage that failed for good under ``on_storage_failure="stop"``): it is re-raised as it is.
 
 Before returning (or raising), every rank writes ``bye/<member>``; the rank that started the
 store server waits for every member's bye, then stops it. No thread or process of ours
@@ -39,7 +40,7 @@ from typing import Any, TypeVar
 import torch.distributed as dist
 
 from unbroken.env import WorkerEnv
-from unbroken.errors import ConfigError
+from unbroken.errors import ConfigError, StopJob
 from unbroken.ledger import NULL, Recorder
 from unbroken.ledger import events as ev
 from unbroken.restart import assign, pg, solo
@@ -322,7 +323,7 @@ class _Runner:
         ctx._exited(outcome.error)
         config_error = self._config_error(outcome.error, iteration, ctx.last_step)
         fatal = config_error is not None or isinstance(
-            outcome.error, (KeyboardInterrupt, SystemExit)
+            outcome.error, (KeyboardInterrupt, SystemExit, StopJob)
         )
         if detection is None:
             record = assign.ExitRecord(

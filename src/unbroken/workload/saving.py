@@ -5,6 +5,9 @@
 ``--ckpt-min-every`` and ``--ckpt-max-every``). Opt-in because the benchmarks and the demo
 compare configurations at a fixed interval, and because the failure rate it needs is only an
 assumption (``--ckpt-mtbf-s``) until the job has seen failures.
+
+What failing storage does (``CheckpointConfig.on_storage_failure``): ``--ckpt-persist-timeout-s``,
+``--on-storage-failure``, ``--storage-retry-s``, ``--storage-failure-limit-s``.
 """
 
 from __future__ import annotations
@@ -30,13 +33,52 @@ def add_flags(p: argparse.ArgumentParser) -> None:
         default=3600.0,
         help="adaptive: the mean time between failures assumed before any is seen",
     )
+    p.add_argument(
+        "--ckpt-persist-timeout-s",
+        type=float,
+        default=600.0,
+        help="a save not durable this long after staging is failed as stalled storage",
+    )
+    p.add_argument(
+        "--on-storage-failure",
+        choices=["continue", "stop"],
+        default="continue",
+        help="failing checkpoint storage: train on from memory snapshots and retry (continue), "
+        "or stop the job once it failed for --storage-failure-limit-s and a final save failed",
+    )
+    p.add_argument(
+        "--storage-retry-s",
+        type=float,
+        default=10.0,
+        help="after a failed save, hold durable saves back this long (doubling per failure)",
+    )
+    p.add_argument(
+        "--storage-failure-limit-s",
+        type=float,
+        default=3600.0,
+        help="with --on-storage-failure stop: how long storage may fail before the final save",
+    )
 
 
 def checkpointer_fields(args: argparse.Namespace) -> dict[str, Any]:
-    """The Checkpointer's adaptive-interval fields from the flags; ValueError naming the
-    flags when they do not fit together."""
+    """The Checkpointer's storage and adaptive-interval fields from the flags; ValueError
+    naming the flags when they do not fit together."""
+    storage = {
+        "persist_timeout_s": args.ckpt_persist_timeout_s,
+        "on_storage_failure": args.on_storage_failure,
+        "storage_retry_s": args.storage_retry_s,
+        "storage_retry_max_s": max(600.0, args.storage_retry_s),
+        "storage_failure_limit_s": args.storage_failure_limit_s,
+    }
+    try:
+        CheckpointConfig(**storage)
+    except ValueError as e:
+        raise ValueError(
+            f"{e} (flags --ckpt-persist-timeout-s, --on-storage-failure, --storage-retry-s, "
+            "--storage-failure-limit-s)"
+        ) from None
     if not args.ckpt_adaptive:
-        return {}
+        return storage
     if args.ckpt_every == 0:
         raise ValueError("--ckpt-adaptive needs --ckpt-every N (the starting interval)")
     fields = {
@@ -52,4 +94,4 @@ def checkpointer_fields(args: argparse.Namespace) -> dict[str, Any]:
             f"--ckpt-adaptive: {e} (flags --ckpt-every, --ckpt-min-every, --ckpt-max-every, "
             "--ckpt-mtbf-s)"
         ) from None
-    return fields
+    return {**storage, **fields}

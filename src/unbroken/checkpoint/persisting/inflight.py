@@ -3,10 +3,12 @@
 ``Inflight`` starts the rank's writer process, hands it each staged save, hears back from it
 (on the writer client's reader thread) and records what happened (``ckpt_persist``,
 ``ckpt_commit``, ``ckpt_skip``, ``ckpt_fail``); the training thread waits on it and asks it for
-errors. Failures (see ``checkpointer``): the writer's death is noticed the moment its socket
-closes; a save not durable within ``persist_timeout_s`` (counted from the later of staging and
-the writer being ready) is failed and its writer killed; both are fatal to the Checkpointer.
-A save the writer reports failed is raised once, and later saves go on.
+errors. A failed save is a storage failure (``health``), never an exception in the training
+step: the writer reports it failed (full, read-only, I/O errors), or it is not durable within
+``persist_timeout_s`` (counted from the later of staging and the writer being ready: the
+writer is killed), or the writer dies (noticed the moment its socket closes) or never becomes
+ready. Each is recorded (``ckpt_fail``, ``stats.failed``) and backs the next durable save off;
+a writer that was killed or died is replaced at the next save.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from typing import Any, Literal
 from unbroken.checkpoint import layout
 from unbroken.checkpoint.config import CheckpointConfig, CheckpointError
 from unbroken.checkpoint.persisting.client import WriterClient
+from unbroken.checkpoint.persisting.health import StorageHealth
 from unbroken.checkpoint.persisting.hooks import WriterHooks
 from unbroken.ledger import Recorder
 from unbroken.ledger import events as ev
@@ -111,16 +114,26 @@ class Inflight:
         """The newest save handed over (done or not), or None before the first."""
         self.last_committed: int | None = None
         """Newest step seen committed (rank 0 only: it commits), else None."""
-        self.fatal: str | None = None
-        """Why this Checkpointer cannot save any more (writer dead, storage stalled), or None."""
-        self.fatal_raised = False
+        self.health = StorageHealth(config)
+        """The failing periods of this rank's storage and the back-off between attempts."""
         self._cond = threading.Condition()
-        self._errors: list[str] = []
+        self._replace = False  # the writer was killed or died: start another at the next save
+        self._retired: list[WriterClient] = []
 
     # --- the writer --------------------------------------------------------------------------
     @masked  # a writer started is a writer held: no interrupt between the fork and here
-    def start_writer(self, hooks: WriterHooks | None) -> WriterClient:
-        """The writer process, started (with ``hooks`` sent to it) on the first call."""
+    def start_writer(self, hooks: WriterHooks | None) -> tuple[WriterClient, bool]:
+        """The writer process, started (with ``hooks`` sent to it) on the first call, and
+        again after the last one was killed or died.
+
+        Returns:
+            The writer, and whether it was started by this call (it has no arena yet).
+        """
+        if self.writer is not None and (self._replace or not self.writer.alive()):
+            self.writer.kill_nowait()
+            self._retired.append(self.writer)  # reaped at ``close``: it may be stuck in I/O
+            self.writer, self._replace = None, False
+        fresh = self.writer is None
         if self.writer is None:
             self.writer = WriterClient(
                 root=self.root,
@@ -137,7 +150,7 @@ class Inflight:
             )
             if hooks is not None:
                 self.writer.send({"type": "hooks", "hooks": hooks})
-        return self.writer
+        return self.writer, fresh
 
     def begin(self, step: int) -> Save:
         """A new save of ``step`` is being staged: it is the one in flight now."""
@@ -157,6 +170,8 @@ class Inflight:
         save.sent_ts = msg["sent_ts"]
         try:
             self.writer.send(msg)
+        except CheckpointError as e:  # the writer is gone: a failed save, not a training error
+            self.fail(f"{e}; the save of step {save.step} is lost", save.step)
         finally:
             save.staged.set()
 
@@ -185,6 +200,7 @@ class Inflight:
             )
             if self.rank != 0:
                 self.stats.committed += 1
+                self._succeeded(step)
                 self.finish(save, "persisted")
         elif kind == "committed":
             self.stats.commit_s.append(msg["end"] - msg["begin"])
@@ -198,37 +214,57 @@ class Inflight:
                 removed=msg["removed"],
             )
             self.last_committed = step
+            self._succeeded(step)
             self.finish(save, "committed")
         elif kind == "abandoned":
             self.stats.skipped += 1
             self.recorder.emit(ev.CKPT_SKIP, step=step, reason=f"abandoned: {msg['reason']}")
             self.finish(save, "abandoned")
         elif kind == "failed":
-            self.stats.failed += 1
-            self.recorder.emit(ev.CKPT_FAIL, step=step, error=msg["error"])
-            with self._cond:
-                self._errors.append(f"checkpoint of step {step} failed: {msg['error']}")
+            self._failed(step, f"checkpoint of step {step} failed: {msg['error']}")
             self.finish(save, "failed", msg["error"])
 
     def _on_death(self, reason: str) -> None:
-        """The moment the writer's socket closes."""
+        """The moment the writer's socket closes (not when it was killed on purpose)."""
         save = self.current
         step = save.step if save and not save.done else None
         lost = f"; the save of step {step} is lost" if step is not None else ""
-        self.fail(f"{reason}{lost}; the newest committed checkpoint is {self._latest()}", step)
+        self.fail(
+            f"{reason}{lost}; the newest committed checkpoint is {self.last_committed_on_disk()}",
+            step,
+        )
 
     def fail(self, message: str, step: int | None) -> None:
-        """Fatal: record it and end the save in flight as failed."""
-        with self._cond:
-            if self.fatal:
-                return
-            self.fatal = message
-            self._cond.notify_all()
-        logger.error("%s", message)
-        self.recorder.emit(ev.CKPT_FAIL, step=step, error=message)
+        """The writer was killed, died or cannot be reached: record a failed save, end the one
+        in flight as failed, and start another writer at the next save."""
         save = self.current
+        with self._cond:
+            if step is not None and save is not None and save.step == step and save.done:
+                return  # already ended (reported by the writer, or by its death)
+            self._replace = True
+        self._failed(step, message)
         if save is not None and not save.done:
             self.finish(save, "failed", message)
+
+    def _failed(self, step: int | None, message: str) -> None:
+        self.stats.failed += 1
+        self.recorder.emit(ev.CKPT_FAIL, step=step, error=message)
+        backoff = self.health.failed(message)
+        logger.warning(
+            "%s; training goes on (memory snapshots only), the next durable save in %.1f s",
+            message,
+            backoff,
+        )
+
+    def _succeeded(self, step: int) -> None:
+        period = self.health.succeeded()
+        if period is not None:
+            logger.warning(
+                "checkpoint storage is back: step %d is durable after %.1f s without a durable "
+                "checkpoint",
+                step,
+                period,
+            )
 
     def finish(self, save: Save, outcome: Outcome, error: str | None = None) -> None:
         with self._cond:
@@ -244,7 +280,7 @@ class Inflight:
             return
         t0 = time.time()
         while not save.staged.wait(0.1):
-            if self.fatal:
+            if save.done:
                 break
         end = time.time()
         if self.stats.stall_s:
@@ -253,16 +289,15 @@ class Inflight:
         self.recorder.interval(ev.CKPT_STAGE, begin=t0, end=end, step=save.step, part="overlap")
 
     def wait_done(self) -> None:
-        """Block until the current save has an outcome (or a fatal error); then ``check``."""
+        """Block until the current save has an outcome (failed: past its deadline)."""
         save = self.current
         if save is None:
             return
         with self._cond:
-            while not save.done and not self.fatal:
+            while not save.done:
                 self._cond.wait(0.1)
                 if self._deadline_passed(save):
                     break
-        self.check()
 
     def wait_commit_on_disk(self, save: Save) -> None:
         """Ranks but 0: after this rank's data persisted, watch for rank 0's commit."""
@@ -272,19 +307,21 @@ class Inflight:
         part = layout.partial_dir(self.root, save.step)
         deadline = time.time() + self.config.persist_timeout_s
         while not marker.exists():
-            why = abandon_reason(part) if part.exists() else None
+            try:
+                why = abandon_reason(part) if part.exists() else None
+            except OSError as e:  # the directory is unreadable: rank 0 cannot commit either
+                why = f"{type(e).__name__}: {e}"
             if why and not marker.exists():
                 self.recorder.emit(ev.CKPT_SKIP, step=save.step, reason=f"abandoned: {why}")
                 return
             if time.time() > deadline:
-                self.fail(
+                self._failed(
+                    save.step,
                     f"step {save.step} was not committed by rank 0 within "
                     f"{self.config.persist_timeout_s:.1f} s; is rank 0 alive?",
-                    save.step,
                 )
-                break
+                return
             time.sleep(_POLL_S)
-        self.check()
 
     def _deadline_passed(self, save: Save) -> bool:
         writer = self.writer
@@ -306,39 +343,39 @@ class Inflight:
         self.fail(
             f"the save of step {save.step} was not durable after "
             f"{self.config.persist_timeout_s:.1f} s (persist_timeout_s): storage stalled? "
-            f"Its writer was killed; the newest committed checkpoint is {self._latest()}",
+            f"Its writer was killed; the newest committed checkpoint is {self.last_committed_on_disk()}",
             save.step,
         )
         if self.writer is not None:
             self.writer.kill_nowait()
         return True
 
-    def check(self) -> None:
-        """Raise CheckpointError for a fatal error (every time) or for saves the writer
-        reported failed since the last check (once)."""
+    def poll(self) -> None:
+        """Fail the save in flight when it is past its deadline (stalled storage, a writer
+        that never became ready)."""
         save = self.current
         if save is not None:
             self._deadline_passed(save)
-        if self.fatal:
-            self.fatal_raised = True
-            raise CheckpointError(self.fatal)
-        with self._cond:
-            errors, self._errors = self._errors, []
-        if errors:
-            raise CheckpointError("; ".join(errors))
 
     def skip(self, step: int, reason: str) -> None:
         """Record a save of ``step`` dropped on this rank; tell the coordinator not to wait."""
         self.stats.skipped += 1
         if self.world_size > 1:
-            layout.write_marker(
-                layout.partial_dir(self.root, step) / layout.skip_marker(self.rank),
-                {"reason": reason},
-            )
+            try:
+                layout.write_marker(
+                    layout.partial_dir(self.root, step) / layout.skip_marker(self.rank),
+                    {"reason": reason},
+                )
+            except OSError as e:  # failing storage: rank 0 cannot commit this step either
+                logger.debug("cannot mark step %d skipped: %s", step, e)
         self.recorder.emit(ev.CKPT_SKIP, step=step, reason=reason)
 
-    def _latest(self) -> int | None:
-        steps = layout.committed_steps(self.root)
+    def last_committed_on_disk(self) -> int | None:
+        """The newest committed step in the checkpoint directory (None: none, or unreadable)."""
+        try:
+            steps = layout.committed_steps(self.root)
+        except OSError:
+            return None
         return steps[0] if steps else None
 
     # --- the end -----------------------------------------------------------------------------
@@ -348,6 +385,10 @@ class Inflight:
             self.writer.kill_nowait()
 
     def close(self) -> None:
-        """Stop the writer (it finishes the message it is on) and reap it."""
+        """Stop the writer (it finishes the message it is on) and reap it, and the writers
+        replaced before it."""
         if self.writer is not None:
             self.writer.close()
+        for old in self._retired:
+            old.close(timeout_s=1.0)
+        self._retired.clear()

@@ -87,6 +87,7 @@ class Staging:
         self._indices: list[Any] = []
         self._regions: dict[int, _Region] = {}
         self._writer_has_arena = False
+        self._writer_layout = 0  # the layout id the writer was sent
         self._thread: threading.Thread | None = None
         self._jobs: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._idle = threading.Event()
@@ -99,9 +100,15 @@ class Staging:
         """Bytes of staging memory allocated (shared with the writer)."""
         return self.arena.size
 
-    def prepare(self, tensors: list[Any], payload_bytes: int, writer: WriterLink) -> float:
+    def new_writer(self) -> None:
+        """The writer was replaced (the last one was killed or died): the next ``prepare``
+        hands the new one the arena and the layout."""
+        self._writer_has_arena, self._writer_layout = False, 0
+
+    def prepare(self, tensors: list[Any], payload_bytes: int, writer: WriterLink | None) -> float:
         """Lay out the ring for these resolved items (cached while shapes stay), grow the arena
-        if needed, and hand the writer a new layout or arena; returns allocation seconds."""
+        if needed, and hand the writer a new layout or arena (None: no writer now, a snapshot
+        while storage fails: it gets them with the next save); returns allocation seconds."""
         sig = tuple(i.layout for i in tensors)
         t0 = time.time()
         meta_bytes = payload_bytes + _META_PER_ITEM * (len(tensors) + 8)
@@ -123,16 +130,22 @@ class Staging:
             self.ring = new_ring
             if fresh and self._on_arena is not None:
                 self._on_arena(self.arena.fd)
-            if fresh or not self._writer_has_arena:
-                writer.send({"type": "arena", "size": self.arena.size}, fds=(self.arena.fd,))
-                self._writer_has_arena = True
+            if fresh:
+                self._writer_has_arena = False
             if sig != self._sig:
                 self.layout_id += 1
-                entries = [
-                    (i.write_item, s) for i, s in zip(tensors, self.slots, strict=True) if i.persist
-                ]
-                writer.send({"type": "layout", "layout_id": self.layout_id, "entries": entries})
             self._sig = sig
+        if writer is None:
+            return time.time() - t0
+        if not self._writer_has_arena:
+            writer.send({"type": "arena", "size": self.arena.size}, fds=(self.arena.fd,))
+            self._writer_has_arena = True
+        if self._writer_layout != self.layout_id:
+            entries = [
+                (i.write_item, s) for i, s in zip(tensors, self.slots, strict=True) if i.persist
+            ]
+            writer.send({"type": "layout", "layout_id": self.layout_id, "entries": entries})
+            self._writer_layout = self.layout_id
         return time.time() - t0
 
     def begin(self, *, pinned: int | None) -> tuple[int, list[Slot]]:

@@ -172,10 +172,24 @@ function renderCheckpoint(snap) {
     ["writer RSS", fmt.bytes(c.writer_rss_bytes)],
     ["blocking per save (median)", fmt.s(c.blocking_s_median, 3) + " s"],
     ["persist (last / median)", `${fmt.s(c.persist_s_last, 3)} / ${fmt.s(c.persist_s_median, 3)} s`],
+    ["unprotected (saves failed)", `${fmt.s(c.unprotected_s, 1)} s (${fmt.int(c.failed_saves)})`],
   ] : [["checkpoints", "none in this run"]];
+  if (c.enabled && c.failed_saves) rows.push(["last save error", c.last_error || "–"]);
   const t = document.getElementById("checkpoint");
   t.replaceChildren(...rows.map(([k, v]) => el("tr", {}, el("th", { text: k }), el("td", { text: v }))));
   renderCkptChart(c);
+}
+
+// A warning line while the newest failed save is newer than the newest commit.
+function renderStorage(snap) {
+  const c = snap.checkpoint, line = document.getElementById("storage-failing");
+  line.hidden = !c.storage_failing;
+  if (!c.storage_failing) { line.textContent = ""; return; }
+  const lasting = c.storage_failing_since === null ? "" : " for " + fmt.age(Math.max(0, snap.now - c.storage_failing_since));
+  const when = snap.status === "running" ? "Checkpoint storage failing" + lasting : "Checkpoint storage was failing at the end of the run";
+  const newest = c.last_commit_step === null ? "none committed yet" : "newest: step " + c.last_commit_step;
+  line.textContent = `${when}: ${c.failed_saves} save(s) failed` + (c.last_error ? ` (last error: ${c.last_error.split("\n")[0]})` : "") +
+    `. Training goes on from the memory tier, but a lost node loses every step since the newest commit (${newest}).`;
 }
 
 function renderRanks(snap) {
@@ -221,6 +235,7 @@ function render(snap) {
   renderFaults(snap);
   renderFaultGroups(snap);
   renderCheckpoint(snap);
+  renderStorage(snap);
   renderRanks(snap);
   const l = snap.ledger;
   document.getElementById("ledger").textContent = `${l.records} ledger records in ${l.files} files` +
