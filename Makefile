@@ -26,10 +26,12 @@ browser:
 	  { apt-get update -q >/dev/null && apt-get install -y -q chromium >/dev/null; } || \
 	  { echo "could not install chromium: run 'apt-get install chromium' as root" >&2; exit 1; }; }
 
-# The whole suite (CI): every test but the serial ones on TEST_WORKERS processes (pytest-xdist),
-# then the serial ones (they measure time or CPU shares) alone; the slowest tests are listed at
-# the end of each part. TEST_WORKERS=1 runs the first part in this process.
-TEST_WORKERS ?= 2
+# The whole suite (CI): every test but the serial ones, then the serial ones (they measure time
+# or CPU shares) alone; the slowest tests are listed at the end of each part. TEST_WORKERS=N runs
+# the first part on N processes (pytest-xdist): worth it with more cores than the 2 a test's
+# ranks use; on 2 cores the suite is CPU-bound (N=2 saved a fifth of the time, and starved the
+# timing-sensitive end-to-end tests of the other worker).
+TEST_WORKERS ?= 1
 XDIST := $(if $(filter-out 1,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist worksteal)
 test: $(STAMP) browser
 	$(PY) -m pytest -q $(XDIST) -m "not serial" --durations=25 tests

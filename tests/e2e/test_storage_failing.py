@@ -121,8 +121,9 @@ def test_stop_policy_ends_the_job_once_storage_failed_for_its_limit(
     assert "StorageFailed" in res.output and "the final save" in res.output, res.output[-3000:]
     events = read_events(tmp_path)
     assert {e.attempt for e in events} == {0}  # the launcher restarted nothing
-    assert {e.iteration for e in events} == {0}  # nor in-process restart (a second iteration)
-    assert not [e for e in events if e.kind == "restart_end"]
+    launcher = [e for e in events if e.kind == "restart_end" and e.get("layer") == "launcher"]
+    assert not launcher  # the job ended at the first StorageFailed (a peer it interrupted may
+    # have begun an in-process iteration meanwhile: the launcher stopped it)
     error = json.loads((tmp_path / "error.json").read_text())
     assert (error["cause"], error["category"], error["exit_code"]) == ("storage", "infra", 74)
 

@@ -155,7 +155,7 @@ def test_a_writer_death_fails_its_save_at_once_and_the_next_attempt_starts_anoth
         t0 = time.monotonic()
         os.kill(pid, signal.SIGKILL)
         assert ck.wait() is False  # recorded, not raised: training goes on
-        assert time.monotonic() - t0 < 1.0
+        assert time.monotonic() - t0 < 5.0  # at once (its socket closed), never an endless wait
         status = ck.storage
         assert status.failing and status.failures == 1, status
         assert "killed by SIGKILL" in str(status.last_error) and "step 1 is lost" in str(

@@ -132,7 +132,8 @@ def test_storage_turning_read_only_during_a_save(
                 assert step == 0 and torch.equal(got, torch.ones_like(got))
             subprocess.run(["mount", "-o", "remount,rw", str(mnt)], check=True)
             w.fill_(3.0)
-            ck.save(2, {"w": w})
+            time.sleep(0.1)  # past the back-off (0.05 s): a save before it is held back
+            assert ck.save(2, {"w": w})
             assert ck.wait() is True
     finally:
         led.close()

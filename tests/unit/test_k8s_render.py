@@ -121,24 +121,40 @@ def test_rendered_output_passes_every_validation(kind: str) -> None:
         assert validate.validate_docs(render.objects(s, kind)) == []
 
 
-@pytest.mark.parametrize("kind", render.KINDS)
-def test_committed_examples_equal_what_render_produces(tmp_path: Path, kind: str) -> None:
-    out = tmp_path / f"{kind}.yaml"
+EXAMPLES = [
+    ("spec.yaml", "job", "job.yaml"),
+    ("spec.yaml", "jobset", "jobset.yaml"),
+    ("eks-spec.yaml", "job", "eks-job.yaml"),
+    ("eks-spec.yaml", "jobset", "eks-jobset.yaml"),
+    ("eks-spec.yaml", "trainjob", "eks-trainjob.yaml"),
+]
+"""The committed examples under deploy/k8s/: (spec, --kind, rendered file)."""
+
+
+@pytest.mark.parametrize("spec,kind,name", EXAMPLES, ids=[e[2] for e in EXAMPLES])
+def test_committed_examples_equal_what_render_produces(
+    tmp_path: Path, spec: str, kind: str, name: str
+) -> None:
+    out = tmp_path / name
     cmd = [sys.executable, "-m", "unbroken.cli", "k8s", "render"]
-    cmd += ["--spec", "deploy/k8s/spec.yaml", "--kind", kind, "-o", str(out)]
+    cmd += ["--spec", f"deploy/k8s/{spec}", "--kind", kind, "-o", str(out)]
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
-    committed = (DEPLOY / f"{kind}.yaml").read_text()
+    committed = (DEPLOY / name).read_text()
     assert out.read_text() == committed, (
-        f"deploy/k8s/{kind}.yaml is stale: run unbroken k8s render --spec deploy/k8s/spec.yaml "
-        f"--kind {kind} -o deploy/k8s/{kind}.yaml"
+        f"deploy/k8s/{name} is stale: run unbroken k8s render --spec deploy/k8s/{spec} "
+        f"--kind {kind} -o deploy/k8s/{name}"
     )
     assert list(yaml.safe_load_all(committed))  # parses
 
 
+def test_every_layout_has_a_committed_eks_example() -> None:
+    assert {kind for spec, kind, _ in EXAMPLES if spec == "eks-spec.yaml"} == set(render.KINDS)
+
+
 def test_committed_examples_pass_kubernetes_validate_strict() -> None:
     exe = Path(sys.executable).parent / "kubernetes-validate"
-    files = [str(DEPLOY / "job.yaml"), str(DEPLOY / "jobset.yaml")]
+    files = [str(DEPLOY / name) for _, _, name in EXAMPLES]
     done = subprocess.run(
         [str(exe), "--strict", "-k", validate.K8S_VERSION, *files],
         capture_output=True,
@@ -147,7 +163,26 @@ def test_committed_examples_pass_kubernetes_validate_strict() -> None:
     )
     assert done.returncode == 0, done.stdout + done.stderr
     assert "ERROR" not in done.stdout
-    assert done.stdout.count("passed for resource") == 8  # all but the JobSet (not a core kind)
+    core = sum(
+        1
+        for _, _, name in EXAMPLES
+        for d in yaml.safe_load_all((DEPLOY / name).read_text())
+        if d["kind"] not in validate.CRDS
+    )
+    assert core == 8 + 6 + 4 + 4  # all but the JobSets, TrainJob and runtime (not core kinds)
+    assert done.stdout.count("passed for resource") == core
+
+
+def test_render_help_lists_every_layout() -> None:
+    from unbroken.k8s import cli as kcli
+
+    assert kcli.KINDS == render.KINDS  # the parser's choices, without importing the renderer
+    cmd = [sys.executable, "-m", "unbroken.cli", "k8s", "render", "--help"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0
+    assert "{job,jobset,trainjob}" in done.stdout and "TrainJob" in done.stdout
+    for flag in ("--efa", "--zone", "--node-selector", "--fsx-file-system-id", "--fsx-subnet-id"):
+        assert flag in done.stdout
 
 
 def test_render_cli_refuses_bad_input_with_a_clear_error() -> None:

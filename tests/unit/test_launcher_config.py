@@ -30,6 +30,8 @@ def test_defaults_are_valid_and_documented() -> None:
         ({"stop_grace_s": -1}, "stop_grace_s"),
         ({"max_no_progress_restarts": -1}, "max_no_progress_restarts"),
         ({"preload": ("torch", "not a module")}, "preload"),
+        ({"node_checks": ("shm", "gloo")}, "'gloo' is not a node check; choose from checkpoint"),
+        ({"node_checks": ("checkpoint",)}, "node_check_dir is not set"),
     ],
 )
 def test_bad_values_raise_value_errors(kwargs: dict, match: str) -> None:
@@ -62,3 +64,19 @@ def test_yaml_values_are_coerced_and_unknown_keys_rejected(tmp_path: Path) -> No
         lconfig.build(yaml_path=bad)
     with pytest.raises(FileNotFoundError):
         lconfig.build(yaml_path=tmp_path / "missing.yaml")
+
+
+def test_node_checks_come_from_the_cli_as_a_list() -> None:
+    from unbroken.launcher import args as largs
+
+    _, cfg, _ = largs.parse(
+        [
+            "--standalone",
+            "--ft-node-checks",
+            "checkpoint, clock",
+            "--ft-node-check-dir",
+            "/c",
+            "x.py",
+        ]
+    )
+    assert cfg.node_checks == ("checkpoint", "clock") and cfg.node_check_dir == Path("/c")

@@ -95,6 +95,7 @@ RULES: dict[str, tuple[str, ...]] = {
         "ledger",
         "checkpoint.tiers.peers",
         "dashboard.metrics",
+        "doctor",
     ),
     "launcher.client": ("env",),
     "workload": ("unbroken", "errors", "env", "log", "ledger", "checkpoint", "faults", "restart"),

@@ -13,9 +13,14 @@ launcher's own parser, so a flag it would refuse is caught here):
 - the pods' DNS: the Job's ``subdomain`` is a headless Service selecting them that publishes
   not-ready addresses; a JobSet enables DNS hostnames;
 - ports agree (``--ft-metrics-port``, the container's ``metrics`` port, the Service's);
-- /dev/shm is a memory emptyDir; ``--ft-run-dir`` lies on a ReadWriteMany claim;
+- /dev/shm is a memory emptyDir; ``--ft-run-dir`` lies on a ReadWriteMany claim, and a claim
+  of this file binds: to a PersistentVolume of the file by name (both of class ""), or through
+  a StorageClass of the file (``binding``);
 - ``terminationGracePeriodSeconds`` exceeds the launcher's stop grace; GPUs match ranks;
-- a JobSet fails (instead of restarting) when a give-up exit code failed its child Job.
+- EFA pods are placed in one availability zone; huge pages come with a cpu or memory request;
+- a JobSet fails (instead of restarting) when a give-up exit code failed its child Job;
+- a TrainJob's runtime is in the file and takes its settings: the JobSet Trainer would make of
+  the two (``trainer.jobset_of``) is checked as a JobSet.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ import os
 import re
 from typing import Any
 
+from unbroken.k8s import binding, eks, trainer
 from unbroken.k8s.render import GIVE_UP_CODES
 from unbroken.k8s.validate import Problem, name_of
 from unbroken.launcher import args as largs
@@ -109,7 +115,27 @@ class _Workload:
                 f"{cpath}.resources.limits",
                 f"{gpus} GPUs but --nproc-per-node {spec.nproc_per_node}: one rank per GPU",
             )
+        self._eks(pod, trainer, cpath)
         return self.out
+
+    def _eks(self, pod: dict[str, Any], trainer: dict[str, Any], cpath: str) -> None:
+        res = trainer.get("resources") or {}
+        efa = _get(res, "limits", eks.EFA_RESOURCE) or _get(res, "requests", eks.EFA_RESOURCE)
+        zone = _get(pod, "nodeSelector", eks.ZONE_LABEL) or _get(
+            pod, "affinity", "nodeAffinity", "requiredDuringSchedulingIgnoredDuringExecution"
+        )
+        if efa and not zone:
+            self.bad(
+                "template.spec.nodeSelector",
+                f"{efa} EFA interfaces but no {eks.ZONE_LABEL}: the nodes of an EFA job must "
+                "share one availability zone",
+            )
+        huge = any(str(k).startswith("hugepages-") for part in res.values() for k in part or {})
+        if huge and not any(k in part for part in res.values() for k in ("cpu", "memory")):
+            self.bad(
+                f"{cpath}.resources",
+                "huge pages without a cpu or memory request: Kubernetes refuses the pod",
+            )
 
     def _job_shape(self, spec: largs.JobSpec, pod: dict[str, Any]) -> None:
         job = self.job
@@ -134,6 +160,12 @@ class _Workload:
             )
         if job.get("backoffLimitPerIndex") is None:
             self.bad("backoffLimitPerIndex", "missing: a lost node's index must be replaced alone")
+        failed = job.get("maxFailedIndexes")
+        if isinstance(failed, int) and isinstance(completions, int) and failed > completions:
+            self.bad(
+                "maxFailedIndexes",
+                f"{failed} exceeds completions {completions}: Kubernetes refuses the Job",
+            )
 
     def _failure_policy(self, trainer: str) -> None:
         rules = _get(self.job, "podFailurePolicy", "rules", default=[]) or []
@@ -316,6 +348,8 @@ class _Workload:
                     f"must include ReadWriteMany: every node of {self.obj} writes it",
                 )
             )
+        if pvc is not None:
+            self.out.extend(binding.problems(self.docs, pvc))
 
 
 def problems(docs: list[Any]) -> list[Problem]:
@@ -334,8 +368,40 @@ def problems(docs: list[Any]) -> list[Problem]:
                 path = f"spec.replicatedJobs[{j}].template.spec"
                 job = _get(rjob, "template", "spec", default={})
                 out += _Workload(docs, obj, job, path).check(jobset=doc)
+        elif doc.get("kind") == "TrainJob":
+            found += 1
+            out += _trainjob(docs, doc, obj)
     if not found:
-        out.append(Problem("file", "", "no Job or JobSet in it"))
+        out.append(Problem("file", "", "no Job, JobSet or TrainJob in it"))
+    return out
+
+
+def _trainjob(docs: list[Any], doc: dict[str, Any], obj: str) -> list[Problem]:
+    """A TrainJob: its runtime is in the file, and the JobSet Trainer makes of them passes."""
+    runtime = trainer.find_runtime(docs, doc)
+    if runtime is None:
+        ref = _get(doc, "spec", "runtimeRef", default={})
+        kind = ref.get("kind", trainer.DEFAULT_RUNTIME_KIND)
+        return [
+            Problem(
+                obj,
+                "spec.runtimeRef",
+                f"{kind}/{ref.get('name')} is not in this file: its pods cannot be checked "
+                "(render the TrainJob with its runtime: unbroken k8s render --kind trainjob)",
+            )
+        ]
+    robj = name_of(runtime, 0)
+    spec, issues = trainer.jobset_of(doc, runtime)
+    out = [Problem(robj, path, message) for path, message in issues]
+    effective = {"spec": spec}
+    where = f"{obj} with {robj}"
+    out += _jobset(effective, where)
+    for j, rjob in enumerate(spec.get("replicatedJobs") or []):
+        if _get(rjob, "template", "metadata", "labels", trainer.ANCESTOR_LABEL) != "trainer":
+            continue
+        path = f"spec.template.spec.replicatedJobs[{j}].template.spec"
+        job = _get(rjob, "template", "spec", default={})
+        out += _Workload(docs, where, job, path).check(jobset=effective)
     return out
 
 

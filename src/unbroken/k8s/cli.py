@@ -8,20 +8,32 @@ from pathlib import Path
 
 from unbroken.k8s import spec as kspec
 
+KINDS = ("job", "jobset", "trainjob")
+"""``render.KINDS``, without importing the renderer to build the parser."""
+_PAIRS = {"env": "NAME=VALUE", "node_selector": "KEY=VALUE"}
+"""Mapping fields: their flags repeat, one pair each."""
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     sub = p.add_subparsers(dest="k8s_command", required=True)
     r = sub.add_parser(
         "render",
-        help="write the manifests of a training job (Indexed Job or JobSet)",
+        help="write the manifests of a training job (Indexed Job, JobSet or Kubeflow TrainJob)",
         description="Render the manifests a user applies with kubectl apply -f: the rendezvous "
-        "store (Deployment + Service), the checkpoint claim, and an Indexed Job + headless "
-        "Service (--kind job) or a JobSet (--kind jobset). Fields come from --spec FILE.yaml "
-        "(keys = the flag names with underscores) and the flags below (which override it). "
-        "The output is validated before it is written.",
+        "store (Deployment + Service), the checkpoint claim (on FSx for Lustre with the fsx "
+        "fields), and an Indexed Job + headless Service (--kind job), a JobSet (--kind jobset) "
+        "or a Kubeflow Trainer TrainJob + its runtime (--kind trainjob). Fields come from "
+        "--spec FILE.yaml (keys = the flag names with underscores) and the flags below (which "
+        "override it). The output is validated before it is written.",
     )
     r.add_argument("--spec", metavar="YAML", help="a YAML mapping of the fields below")
-    r.add_argument("--kind", choices=["job", "jobset"], default="job", help="layout (default job)")
+    r.add_argument(
+        "--kind",
+        choices=list(KINDS),
+        default="job",
+        help="layout: job (Indexed Job), jobset (JobSet) or trainjob (Kubeflow Trainer "
+        "TrainJob + runtime); default job",
+    )
     r.add_argument("--out", "-o", metavar="PATH", default="-", help="output file ('-': stdout)")
     r.add_argument("--no-validate", action="store_true", help="write without validating")
     docs = kspec.field_docs()
@@ -31,14 +43,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
             r.add_argument(
                 flag, dest=name, default=None, help=docs[name] + " (one shell-quoted string)"
             )
-        elif name == "env":
+        elif name in _PAIRS:
             r.add_argument(
                 flag,
                 dest=name,
                 action="append",
-                metavar="NAME=VALUE",
+                metavar=_PAIRS[name],
                 default=None,
-                help=docs[name],
+                help=docs[name] + " (repeat the flag for more)",
             )
         else:
             r.add_argument(flag, dest=name, default=None, help=docs[name])
@@ -46,7 +58,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
     v = sub.add_parser(
         "validate",
-        help="check manifests: Kubernetes schemas (strict), the JobSet CRD, unbroken's semantics",
+        help="check manifests: Kubernetes schemas (strict), the JobSet and Trainer CRDs, "
+        "unbroken's semantics",
     )
     v.add_argument("files", nargs="+", metavar="FILE", help="YAML files (each applied on its own)")
     v.set_defaults(k8s_func=_validate)
@@ -58,14 +71,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     s.set_defaults(k8s_func=store.main)
 
 
-def _env(pairs: list[str] | None) -> dict[str, str] | None:
+def _pairs(name: str, pairs: list[str] | None) -> dict[str, str] | None:
     if pairs is None:
         return None
     out = {}
     for pair in pairs:
         key, sep, value = pair.partition("=")
         if not sep:
-            raise ValueError(f"--env must be NAME=VALUE, got {pair!r}")
+            flag = "--" + name.replace("_", "-")
+            raise ValueError(f"{flag} must be {_PAIRS[name]}, got {pair!r}")
         out[key] = value
     return out
 
@@ -74,7 +88,8 @@ def _render(args: argparse.Namespace) -> int:
     from unbroken.k8s import render, validate
 
     overrides = {name: getattr(args, name) for name in kspec.FIELDS}
-    overrides["env"] = _env(args.env)
+    for name in _PAIRS:
+        overrides[name] = _pairs(name, getattr(args, name))
     spec = kspec.build(spec_path=args.spec, **overrides)
     docs = render.objects(spec, args.kind)
     if not args.no_validate:
@@ -107,7 +122,8 @@ def _validate(args: argparse.Namespace) -> int:
         else:
             print(
                 f"{f}: ok (Kubernetes {validate.K8S_VERSION} schemas strict, JobSet "
-                f"{validate.JOBSET_RELEASE} CRD, unbroken's checks)"
+                f"{validate.JOBSET_RELEASE} and Kubeflow Trainer {validate.TRAINER_RELEASE} "
+                "CRDs, unbroken's checks)"
             )
     return 1 if bad else 0
 

@@ -1,17 +1,21 @@
 """A ``DeploySpec`` as Kubernetes objects (plain dicts), and as the YAML a user applies.
 
-Two layouts, each one self-contained file for ``kubectl apply -f``:
+Three layouts, each one self-contained file for ``kubectl apply -f``:
 
 - ``job``: the published layout. An Indexed Job (one pod per node index, hostnames
   ``<name>-<index>``) whose pods find each other through a headless Service of the same name
   (``subdomain``; DNS records published before the pods are ready);
 - ``jobset``: the same pods as the single replicated Job of a JobSet (what Kubeflow Trainer v2
-  runs), hostnames ``<name>-node-0-<index>``, restarted as a whole by its ``failurePolicy``.
+  runs), hostnames ``<name>-node-0-<index>``, restarted as a whole by its ``failurePolicy``;
+- ``trainjob``: a Kubeflow Trainer ``TrainJob`` and its runtime (``TrainingRuntime`` or
+  ``ClusterTrainingRuntime``) holding that JobSet as its template; Trainer makes the JobSet,
+  named after the TrainJob, with the TrainJob's image, command, args and node count.
 
 Both add the rendezvous store, a one-replica Deployment with a Service in front
 (``<name>-rdzv``): the nodes are the store's clients, so losing any node, index 0 included,
 leaves the others running, and Kubernetes replaces the store's pod if it is lost. Plus the
-checkpoint volume claim (ReadWriteMany) unless the spec names an existing one.
+checkpoint volume claim (ReadWriteMany) unless the spec names an existing one, on FSx for
+Lustre when the spec says so (``eks``), with EFA and the placement in one zone (``eks`` too).
 
 The training container runs ``unbroken-run`` with c10d rendezvous on the store's Service;
 nodes take their rank in the rendezvous by hostname order, which is index order.
@@ -26,12 +30,16 @@ from typing import Any
 
 import yaml
 
+from unbroken.k8s import eks
 from unbroken.k8s.spec import DeploySpec
 from unbroken.launcher import errors as lerrors
 
-KINDS = ("job", "jobset")
+KINDS = ("job", "jobset", "trainjob")
 TRAINER = "trainer"
 """Name of the training container (podFailurePolicy rules name it)."""
+TRAINJOB_CONTAINER = "node"
+"""Name of the training container in a Trainer runtime: Trainer sets the image, command, args
+and environment of the container of this name only."""
 STORE = "rdzv"
 """Name of the store's container and port."""
 METRICS = "metrics"
@@ -46,6 +54,9 @@ GIVE_UP_CODES = (
 INDEX_ENV = "JOB_COMPLETION_INDEX"
 INDEX_ANNOTATION = "batch.kubernetes.io/job-completion-index"
 JOBSET_API = "jobset.x-k8s.io/v1alpha2"
+TRAINER_API = "trainer.kubeflow.org/v1alpha1"
+TRAINER_ANCESTOR = "trainer.kubeflow.org/trainjob-ancestor-step"
+"""The label by which Trainer finds the replicated Job its TrainJob's trainer settings go to."""
 REPLICATED_JOB = "node"
 HEADER = (
     "# Rendered by `unbroken k8s render`{source}: edit the spec and render again.\n"
@@ -93,26 +104,34 @@ def launcher_args(spec: DeploySpec) -> list[str]:
 
 def _resources(spec: DeploySpec) -> dict[str, Any]:
     requests = {k: str(v) for k, v in (("cpu", spec.cpu), ("memory", spec.memory)) if v}
+    extra = eks.extra_resources(spec)  # huge pages and EFA: requests equal limits
+    requests |= extra
+    limits = {"nvidia.com/gpu": spec.gpus_per_node} if spec.gpus_per_node else {}
+    limits |= extra
     out: dict[str, Any] = {}
     if requests:
         out["requests"] = requests
-    if spec.gpus_per_node:
-        out["limits"] = {"nvidia.com/gpu": spec.gpus_per_node}
+    if limits:
+        out["limits"] = limits
     return out
 
 
-def node_pod_template(spec: DeploySpec, *, subdomain: str | None) -> dict[str, Any]:
+def node_pod_template(
+    spec: DeploySpec, *, subdomain: str | None, container_name: str = TRAINER
+) -> dict[str, Any]:
     """The node pods' template; ``subdomain``: the headless Service (None: JobSet sets it)."""
+    efa = {k: v for k, v in eks.efa_env(spec).items() if k not in spec.env}
     env: list[dict[str, Any]] = [
         {
             "name": INDEX_ENV,
             "valueFrom": {"fieldRef": {"fieldPath": f"metadata.annotations['{INDEX_ANNOTATION}']"}},
         },
         {"name": "OMP_NUM_THREADS", "value": "1"},
+        *({"name": k, "value": v} for k, v in efa.items()),
         *({"name": k, "value": v} for k, v in sorted(spec.env.items())),
     ]
     container: dict[str, Any] = {
-        "name": TRAINER,
+        "name": container_name,
         "image": spec.image,
         "command": ["unbroken-run"],
         "args": launcher_args(spec),
@@ -129,6 +148,7 @@ def node_pod_template(spec: DeploySpec, *, subdomain: str | None) -> dict[str, A
     pod: dict[str, Any] = {
         "restartPolicy": "Never",
         "terminationGracePeriodSeconds": spec.termination_grace_s,
+        **({"nodeSelector": sel} if (sel := eks.node_selector(spec)) else {}),
         "containers": [container],
         "volumes": [
             {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": spec.shm_size}},
@@ -140,7 +160,9 @@ def node_pod_template(spec: DeploySpec, *, subdomain: str | None) -> dict[str, A
     return {"metadata": {"labels": labels(spec, "node")}, "spec": pod}
 
 
-def node_job_spec(spec: DeploySpec, *, subdomain: str | None) -> dict[str, Any]:
+def node_job_spec(
+    spec: DeploySpec, *, subdomain: str | None, container_name: str = TRAINER
+) -> dict[str, Any]:
     """The Indexed Job's spec (also the JobSet's replicated Job)."""
     lo, _ = spec.node_range
     return {
@@ -156,7 +178,7 @@ def node_job_spec(spec: DeploySpec, *, subdomain: str | None) -> dict[str, Any]:
                 {
                     "action": "FailJob",
                     "onExitCodes": {
-                        "containerName": TRAINER,
+                        "containerName": container_name,
                         "operator": "In",
                         "values": list(GIVE_UP_CODES),
                     },
@@ -167,7 +189,7 @@ def node_job_spec(spec: DeploySpec, *, subdomain: str | None) -> dict[str, Any]:
                 },
             ]
         },
-        "template": node_pod_template(spec, subdomain=subdomain),
+        "template": node_pod_template(spec, subdomain=subdomain, container_name=container_name),
     }
 
 
@@ -199,29 +221,79 @@ def jobset(spec: DeploySpec) -> dict[str, Any]:
         "apiVersion": JOBSET_API,
         "kind": "JobSet",
         "metadata": _meta(spec, spec.name, "node"),
-        "spec": {
-            "network": {"enableDNSHostnames": True, "publishNotReadyAddresses": True},
-            "failurePolicy": {
-                "maxRestarts": spec.jobset_max_restarts,
-                "rules": [
-                    # A give-up exit code failed the child Job: restarting would fail again.
-                    {
-                        "name": "GiveUp",
-                        "action": "FailJobSet",
-                        "onJobFailureReasons": ["PodFailurePolicy"],
-                    }
-                ],
-            },
-            "replicatedJobs": [
+        "spec": jobset_spec(spec, container_name=TRAINER, job_labels=labels(spec, "node")),
+    }
+
+
+def jobset_spec(
+    spec: DeploySpec, *, container_name: str, job_labels: dict[str, str]
+) -> dict[str, Any]:
+    """The JobSet's spec (also the template of a Trainer runtime)."""
+    return {
+        "network": {"enableDNSHostnames": True, "publishNotReadyAddresses": True},
+        "failurePolicy": {
+            "maxRestarts": spec.jobset_max_restarts,
+            "rules": [
+                # A give-up exit code failed the child Job: restarting would fail again.
                 {
-                    "name": REPLICATED_JOB,
-                    "replicas": 1,
-                    "template": {
-                        "metadata": {"labels": labels(spec, "node")},
-                        "spec": node_job_spec(spec, subdomain=None),
-                    },
+                    "name": "GiveUp",
+                    "action": "FailJobSet",
+                    "onJobFailureReasons": ["PodFailurePolicy"],
                 }
             ],
+        },
+        "replicatedJobs": [
+            {
+                "name": REPLICATED_JOB,
+                "replicas": 1,
+                "template": {
+                    "metadata": {"labels": job_labels},
+                    "spec": node_job_spec(spec, subdomain=None, container_name=container_name),
+                },
+            }
+        ],
+    }
+
+
+def training_runtime(spec: DeploySpec) -> dict[str, Any]:
+    """The TrainJob's runtime: the JobSet as its template, no framework policy (unbroken-run is
+    the launcher: Trainer's torch policy would hand torchrun's settings to the container)."""
+    meta = _meta(spec, spec.runtime_name, "node")
+    if spec.trainjob_runtime == "ClusterTrainingRuntime":
+        del meta["namespace"]
+    job_labels = {**labels(spec, "node"), TRAINER_ANCESTOR: "trainer"}
+    return {
+        "apiVersion": TRAINER_API,
+        "kind": spec.trainjob_runtime,
+        "metadata": meta,
+        "spec": {
+            "mlPolicy": {"numNodes": spec.pods},
+            "template": {
+                "metadata": {"labels": labels(spec, "node")},
+                "spec": jobset_spec(spec, container_name=TRAINJOB_CONTAINER, job_labels=job_labels),
+            },
+        },
+    }
+
+
+def trainjob(spec: DeploySpec) -> dict[str, Any]:
+    """The TrainJob: its runtime, and what Trainer sets in the runtime's trainer container."""
+    return {
+        "apiVersion": TRAINER_API,
+        "kind": "TrainJob",
+        "metadata": _meta(spec, spec.name, "node"),
+        "spec": {
+            "runtimeRef": {
+                "apiGroup": TRAINER_API.split("/")[0],
+                "kind": spec.trainjob_runtime,
+                "name": spec.runtime_name,
+            },
+            "trainer": {
+                "image": spec.image,
+                "command": ["unbroken-run"],
+                "args": launcher_args(spec),
+                "numNodes": spec.pods,
+            },
         },
     }
 
@@ -239,6 +311,7 @@ def store_deployment(spec: DeploySpec) -> dict[str, Any]:
                 "metadata": {"labels": labels(spec, STORE)},
                 "spec": {
                     "terminationGracePeriodSeconds": 5,
+                    **({"nodeSelector": sel} if (sel := eks.store_selector(spec)) else {}),
                     "containers": [
                         {
                             "name": STORE,
@@ -287,12 +360,19 @@ def claim(spec: DeploySpec) -> dict[str, Any]:
 
 
 def objects(spec: DeploySpec, kind: str) -> list[dict[str, Any]]:
-    """Every object of layout ``kind`` ("job" or "jobset"), in apply order."""
+    """Every object of layout ``kind`` (one of ``KINDS``), in apply order."""
     if kind not in KINDS:
         raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
-    out = [] if spec.checkpoint_claim else [claim(spec)]
+    out = eks.fsx_objects(spec, labels=labels(spec, "checkpoints"))
+    if not out and not spec.checkpoint_claim:
+        out = [claim(spec)]
     out += [store_deployment(spec), store_service(spec)]
-    out += [headless_service(spec), job(spec)] if kind == "job" else [jobset(spec)]
+    if kind == "job":
+        out += [headless_service(spec), job(spec)]
+    elif kind == "jobset":
+        out += [jobset(spec)]
+    else:
+        out += [training_runtime(spec), trainjob(spec)]
     return out
 
 

@@ -19,6 +19,10 @@ from typing import Any
 
 import yaml
 
+from unbroken.k8s import eks
+
+RUNTIME_KINDS = ("TrainingRuntime", "ClusterTrainingRuntime")
+"""Kubeflow Trainer runtimes a TrainJob can reference."""
 # A DNS-1123 label, short enough that "<name>-<index>" and "<name>-node-0-<index>" stay labels.
 _NAME = re.compile(r"^[a-z]([-a-z0-9]{0,38}[a-z0-9])?$")
 _QUANTITY = re.compile(r"^[0-9]+(\.[0-9]+)?(m|Ki|Mi|Gi|Ti|k|M|G|T)?$")
@@ -102,7 +106,43 @@ class DeploySpec:
     termination_grace_s: int = 60
     """The pods' terminationGracePeriodSeconds: stop grace plus the agent's own flush."""
     env: Mapping[str, str] = field(default_factory=dict)
-    """Extra environment variables of the training container."""
+    """Extra environment variables of the training container (they win over the EFA ones)."""
+    efa: int = 0
+    """EFA interfaces each node pod requests (vpc.amazonaws.com/efa: as many as its instance type
+    has), with the environment NCCL needs on EFA (aws-ofi-nccl); needs zone; 0: no EFA."""
+    hugepages_2mi: str | None = None
+    """2 MiB huge pages each node pod requests (such as "5120Mi") for libfabric's buffers; needs
+    memory or cpu; None: none (and libfabric is told not to use them)."""
+    zone: str | None = None
+    """Availability zone of every pod (node label topology.kubernetes.io/zone, such as
+    "us-east-1a"); None: any zone."""
+    instance_type: str | None = None
+    """Instance type of the node pods' nodes (node.kubernetes.io/instance-type, such as
+    "p5.48xlarge"); None: any."""
+    node_selector: Mapping[str, str] = field(default_factory=dict)
+    """More node labels the node pods require (such as the label of a node group launched in one
+    cluster placement group)."""
+    fsx_file_system_id: str | None = None
+    """Checkpoints on an existing FSx for Lustre file system (static provisioning): its id
+    ("fs-..."); with fsx_dns_name and fsx_mount_name."""
+    fsx_dns_name: str | None = None
+    """The existing FSx file system's DNSName."""
+    fsx_mount_name: str | None = None
+    """The existing FSx file system's MountName."""
+    fsx_subnet_id: str | None = None
+    """Checkpoints on a new FSx for Lustre file system (dynamic provisioning, checkpoint_size of
+    it) created in this subnet ("subnet-..."); with fsx_security_group_ids."""
+    fsx_security_group_ids: tuple[str, ...] = ()
+    """Security groups of the new FSx file system ("sg-...", comma-separated or a list)."""
+    fsx_deployment_type: str | None = None
+    """Deployment type of the new FSx file system (SCRATCH_1, SCRATCH_2, PERSISTENT_1,
+    PERSISTENT_2); None: PERSISTENT_2."""
+    fsx_throughput: int | None = None
+    """perUnitStorageThroughput of a new PERSISTENT FSx file system, MB/s per TiB (PERSISTENT_2:
+    125, 250, 500 or 1000)."""
+    trainjob_runtime: str = "TrainingRuntime"
+    """TrainJob layout: the kind of runtime rendered with it, TrainingRuntime (in the namespace)
+    or ClusterTrainingRuntime (cluster-wide)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not _NAME.match(self.name):
@@ -167,6 +207,12 @@ class DeploySpec:
             raise ValueError(
                 f"nodes + spares must be at most 1000, got {hi + self.spares} ({lo}:{hi})"
             )
+        if self.trainjob_runtime not in RUNTIME_KINDS:
+            raise ValueError(
+                f"trainjob_runtime must be one of {list(RUNTIME_KINDS)}, got "
+                f"{self.trainjob_runtime!r}"
+            )
+        eks.check(self)
 
     @property
     def node_range(self) -> tuple[int, int]:
@@ -200,6 +246,13 @@ class DeploySpec:
         """Name of the rendezvous store's Deployment and Service."""
         return f"{self.name}-rdzv"
 
+    @property
+    def runtime_name(self) -> str:
+        """Name of the TrainJob's runtime (a cluster-wide one has the namespace in it)."""
+        if self.trainjob_runtime == "ClusterTrainingRuntime":
+            return f"{self.namespace}-{self.name}"
+        return self.name
+
 
 FIELDS = {f.name: f for f in fields(DeploySpec)}
 REQUIRED = tuple(
@@ -224,6 +277,11 @@ def field_docs() -> dict[str, str]:
     return docs
 
 
+_MAPPINGS = ("env", "node_selector")
+_LISTS = ("fsx_security_group_ids",)
+_OPTIONAL_INTS = ("fsx_throughput",)
+
+
 def _coerce(name: str, value: Any, *, source: str) -> Any:
     default = FIELDS[name].default
     if name == "command":
@@ -234,16 +292,24 @@ def _coerce(name: str, value: Any, *, source: str) -> Any:
         ):
             return tuple(str(v) for v in value)
         raise ValueError(f"{source}: command must be a string or a list of strings, got {value!r}")
-    if name == "env":
+    if name in _MAPPINGS:
         if not isinstance(value, Mapping):
-            raise ValueError(f"{source}: env must be a mapping of NAME: value, got {value!r}")
+            raise ValueError(f"{source}: {name} must be a mapping of KEY: value, got {value!r}")
         return {str(k): str(v) for k, v in value.items()}
+    if name in _LISTS:
+        items = value.split(",") if isinstance(value, str) else value
+        if not isinstance(items, (list, tuple)) or not all(isinstance(v, str) for v in items):
+            raise ValueError(
+                f"{source}: {name} must be a list of strings or one comma-separated string, "
+                f"got {value!r}"
+            )
+        return tuple(v.strip() for v in items if v.strip())
     if value is None:
         return None
     if isinstance(default, bool) or isinstance(value, bool):
         raise ValueError(f"{source}: {name} must not be true/false, got {value!r}")
     try:
-        if isinstance(default, int):
+        if isinstance(default, int) or name in _OPTIONAL_INTS:
             return int(value)
         if isinstance(default, float):
             return float(value)

@@ -6,6 +6,9 @@
 - JobSet against the ``openAPIV3Schema`` of the JobSet CRD, release ``JOBSET_RELEASE``,
   committed under ``schemas/`` (kubernetes-sigs/jobset, config/components/crd/bases); made
   strict the same way. Its metadata and its child Job are also checked as core objects.
+- TrainJob, TrainingRuntime and ClusterTrainingRuntime the same way, against the CRDs of
+  Kubeflow Trainer release ``TRAINER_RELEASE`` (kubeflow/trainer, manifests/base/crds); a
+  runtime's JobSet template's child Job is checked as a core object too.
 - ``checks.problems``: what no schema says (the pods' subdomain is a headless Service, the
   give-up exit codes are unbroken-run's, the ports agree, the rendezvous store is a pod of its
   own, ...).
@@ -29,6 +32,19 @@ K8S_VERSION = "1.33.0"
 """Kubernetes version whose schemas the core kinds are checked against (EKS standard support)."""
 JOBSET_RELEASE = "v0.12.0"
 """JobSet release whose CRD schema JobSets are checked against."""
+TRAINER_RELEASE = "v2.3.0"
+"""Kubeflow Trainer release whose CRD schemas TrainJobs and their runtimes are checked against."""
+CRDS = {
+    "JobSet": (f"jobset-{JOBSET_RELEASE}", ("spec",)),
+    "TrainJob": (f"trainjob-{TRAINER_RELEASE}", None),
+    "TrainingRuntime": (f"trainingruntime-{TRAINER_RELEASE}", ("spec", "template", "spec")),
+    "ClusterTrainingRuntime": (
+        f"clustertrainingruntime-{TRAINER_RELEASE}",
+        ("spec", "template", "spec"),
+    ),
+}
+"""Custom kinds: their schema file under ``schemas/``, and where their JobSet spec (whose
+``replicatedJobs`` hold child Jobs) lies, if they have one."""
 
 
 @dataclass(frozen=True)
@@ -77,12 +93,14 @@ def _strict(schema: Any) -> Any:
 
 
 @functools.cache
-def _jobset_validator() -> Any:
+def _crd(name: str) -> tuple[str, Any]:
+    """(apiVersion, strict validator) of the pinned CRD schema ``schemas/<name>.json``."""
     import jsonschema
 
-    raw = resources.files("unbroken.k8s").joinpath(f"schemas/jobset-{JOBSET_RELEASE}.json")
+    raw = resources.files("unbroken.k8s").joinpath(f"schemas/{name}.json")
     crd = json.loads(raw.read_text())
-    return jsonschema.Draft7Validator(_strict(crd["schema"]))
+    api = f"{crd['group']}/{crd['version']}"
+    return api, jsonschema.Draft7Validator(_strict(crd["schema"]))
 
 
 def _core(doc: dict[str, Any], obj: str, prefix: str = "") -> list[Problem]:
@@ -103,19 +121,29 @@ def _core(doc: dict[str, Any], obj: str, prefix: str = "") -> list[Problem]:
 
 
 def schema_problems(doc: Any, index: int = 0) -> list[Problem]:
-    """Schema errors of one object (core kinds strict; JobSet against its CRD)."""
+    """Schema errors of one object (core kinds strict; custom kinds against their CRDs)."""
     obj = name_of(doc, index)
     if not isinstance(doc, dict) or "kind" not in doc or "apiVersion" not in doc:
         return [Problem(obj, "", "not a Kubernetes object (needs apiVersion and kind)")]
-    if doc["kind"] != "JobSet":
+    if doc["kind"] not in CRDS:
         return _core(doc, obj)
+    name, jobset_at = CRDS[doc["kind"]]
+    api, validator = _crd(name)
+    if doc["apiVersion"] != api:
+        return [
+            Problem(obj, "apiVersion", f"{doc['apiVersion']!r}: the pinned CRD ({name}) is {api}")
+        ]
     out = [
         Problem(obj, _path(e.path), e.message)
-        for e in sorted(_jobset_validator().iter_errors(doc), key=lambda e: list(e.path))
+        for e in sorted(validator.iter_errors(doc), key=lambda e: list(e.path))
     ]
     meta = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": doc.get("metadata", {})}
     out += _core(meta, obj)
-    for i, rjob in enumerate(doc.get("spec", {}).get("replicatedJobs", []) or []):
+    jobset_spec: Any = doc if jobset_at else {}
+    for key in jobset_at or ():
+        jobset_spec = jobset_spec.get(key) if isinstance(jobset_spec, dict) else None
+    rjobs = jobset_spec.get("replicatedJobs") if isinstance(jobset_spec, dict) else None
+    for i, rjob in enumerate(rjobs if isinstance(rjobs, list) else []):
         template = rjob.get("template", {}) if isinstance(rjob, dict) else {}
         child = {
             "apiVersion": "batch/v1",
@@ -123,7 +151,8 @@ def schema_problems(doc: Any, index: int = 0) -> list[Problem]:
             "metadata": copy.deepcopy(template.get("metadata", {"name": "child"})),
             "spec": template.get("spec", {}),
         }
-        out += _core(child, obj, prefix=f"spec.replicatedJobs[{i}].template")
+        at = ".".join((*(jobset_at or ()), f"replicatedJobs[{i}].template"))
+        out += _core(child, obj, prefix=at)
     return out
 
 

@@ -8,10 +8,11 @@ rendezvous.
 The worker-side client (``client``) imports nothing but the standard library and
 ``unbroken.env``, so a training step can call it cheaply; importing this package does not
 import torch. ``--ft-metrics-port`` serves the dashboard's Prometheus exporter (imported only
-then), and a multi-node job's agent runs the peer memory service of
-``unbroken.checkpoint.tiers.peers``. Imports of ours: ``unbroken.errors``, ``unbroken.version``,
+then), a multi-node job's agent runs the peer memory service of
+``unbroken.checkpoint.tiers.peers``, and ``--ft-node-checks`` runs checks of ``unbroken.doctor``
+(imported only then). Imports of ours: ``unbroken.errors``, ``unbroken.version``,
 ``unbroken.env``, ``unbroken.log``, ``unbroken.ledger``, ``unbroken.checkpoint.tiers.peers``,
-``unbroken.dashboard.metrics``.
+``unbroken.dashboard.metrics``, ``unbroken.doctor``.
 """
 
 from unbroken.launcher.client import heartbeat

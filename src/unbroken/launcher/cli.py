@@ -19,7 +19,7 @@ from pathlib import Path
 
 from unbroken import env as uenv
 from unbroken.launcher import args as largs
-from unbroken.launcher import bootstrap, errors, listen
+from unbroken.launcher import bootstrap, errors, listen, nodecheck
 from unbroken.launcher import config as lconfig
 from unbroken.launcher.agent import Agent
 from unbroken.launcher.errors import Failure
@@ -128,6 +128,34 @@ def _rendezvous_failed(ledger: Ledger, path: Path, run_id: str, e: Exception) ->
     return errors.EXIT_RENDEZVOUS_FAILED
 
 
+def _node_unhealthy(ledger: Ledger, path: Path, run_id: str, bad: list[nodecheck.Verdict]) -> int:
+    message = "this node failed its node checks and stays out of the job: " + "; ".join(
+        v.line() for v in bad
+    )
+    failure = Failure(
+        rank=-1,
+        local_rank=-1,
+        cause="node_check",
+        category="platform",
+        detector="node_check",
+        ts=time.time(),
+        message=message,
+    )
+    rec = errors.write_error_file(
+        path, exit_code=errors.EXIT_NODE_UNHEALTHY, failures=[failure], restarts=0, run_id=run_id
+    )
+    ledger.emit(
+        ev.JOB_END,
+        status="failed",
+        exit_code=errors.EXIT_NODE_UNHEALTHY,
+        reason=rec["reason"],
+        cause="node_check",
+        fault_rank=-1,
+    )
+    logger.error("%s", message)
+    return errors.EXIT_NODE_UNHEALTHY
+
+
 def metrics_host(spec: largs.JobSpec, cfg: largs.lconfig.LauncherConfig) -> str:
     """Where /metrics listens: ``--ft-metrics-host``, else loopback for a job on this machine
     alone (standalone, or one node with a loopback endpoint), else every interface (Prometheus
@@ -209,6 +237,21 @@ def _run(spec: largs.JobSpec, cfg: largs.lconfig.LauncherConfig, run_dir: Path, 
     workers = None
     peers = None
     try:
+        if cfg.node_checks:  # before joining: a node that fails one stays out of the round
+            t0 = time.time()
+            verdicts = nodecheck.run(
+                cfg.node_checks,
+                nproc_per_node=spec.nproc_per_node,
+                nnodes=spec.max_nodes,
+                checkpoint_dir=cfg.node_check_dir,
+            )
+            for v in verdicts:
+                logger.info("node check: %s", v.line())
+            ledger.interval(
+                ev.PHASE, begin=t0, name="node_check", checks=nodecheck.to_ledger(verdicts)
+            )
+            if bad := nodecheck.failed(verdicts):
+                return _node_unhealthy(ledger, error_path, run_id, bad)
         from unbroken.launcher.rendezvous import C10dRendezvous
 
         if spec.max_nodes > 1:  # other nodes restore from, and replicate to, this one

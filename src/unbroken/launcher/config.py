@@ -45,6 +45,11 @@ _HOST = re.compile(r"^[A-Za-z0-9_.:\[\]-]{1,253}$")
 _OCTAL = re.compile(r"^0?[0-7]{1,3}$")
 
 
+NODE_CHECKS = ("checkpoint", "shm", "memory", "memfd", "cuda", "clock", "cgroup")
+"""The checks of ``unbroken doctor`` a node can run before it joins (``node_checks``): the ones
+that look at this machine alone (not gloo, ports or network namespaces)."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class LauncherConfig:
     """unbroken-run's options; ``__post_init__`` checks values and timeout ordering."""
@@ -57,6 +62,12 @@ class LauncherConfig:
     """Fork workers from a process that has already imported ``preload`` (else cold starts)."""
     preload: tuple[str, ...] = DEFAULT_PRELOAD
     """Modules the warm pool imports before forking workers (comma-separated on the CLI)."""
+    node_checks: tuple[str, ...] = ()
+    """Checks of ``unbroken doctor`` this node must pass before it joins a rendezvous
+    (comma-separated: checkpoint, shm, memory, memfd, cuda, clock, cgroup); a node failing one
+    is kept out of the job and exits 7."""
+    node_check_dir: Path | None = None
+    """The checkpoint directory the "checkpoint" node check writes, locks and renames in."""
     hang_detection: bool = True
     """Kill and restart workers whose heartbeats stop (see the initial and steady timeouts)."""
     heartbeat_interval_s: float = 0.5
@@ -131,6 +142,17 @@ class LauncherConfig:
         for name in ("rdzv_poll_s", "membership_check_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        for name in self.node_checks:
+            if name not in NODE_CHECKS:
+                raise ValueError(
+                    f"node_checks: {name!r} is not a node check; choose from "
+                    f"{', '.join(NODE_CHECKS)}"
+                )
+        if "checkpoint" in self.node_checks and self.node_check_dir is None:
+            raise ValueError(
+                "node_checks has 'checkpoint' but node_check_dir is not set: name the "
+                "checkpoint directory to check (--ft-node-check-dir)"
+            )
         for mod in self.preload:
             if not _MODULE_NAME.match(mod):
                 raise ValueError(f"preload entry {mod!r} is not a module name like 'torch.nn'")
@@ -161,11 +183,11 @@ def field_docs() -> dict[str, str]:
 
 def kind_of(name: str) -> str:
     """The value kind of a field: bool, int, float, path, text, modules, port (an int or None)."""
-    if name in ("run_dir", "error_file"):
+    if name in ("run_dir", "error_file", "node_check_dir"):
         return "path"
     if name in ("metrics_host", "umask"):
         return "text"
-    if name == "preload":
+    if name in ("preload", "node_checks"):
         return "modules"
     if name == "metrics_port":
         return "port"
@@ -196,7 +218,7 @@ def coerce(name: str, value: Any, *, source: str) -> Any:
     if kind == "modules":
         items = value.split(",") if isinstance(value, str) else value
         if not isinstance(items, (list, tuple)) or not all(isinstance(m, str) for m in items):
-            raise ValueError(f"{source}: {name} must be a list of module names, got {value!r:.80}")
+            raise ValueError(f"{source}: {name} must be a list of names, got {value!r:.80}")
         return tuple(m.strip() for m in items if m.strip())
     if kind == "bool":
         if isinstance(value, bool):

@@ -11,6 +11,7 @@ Exit codes of ``unbroken-run``:
 5           rendezvous failed (timeout, closed by another agent, store unreachable)
 6           checkpoint storage failed for good: a worker exited with ``EXIT_STORAGE``, 74
             (``on_storage_failure="stop"``)
+7           this node failed a node check (``--ft-node-checks``) and did not join the job
 128 + N     the agent received signal N (SIGTERM, SIGINT, ...) and stopped its workers
 ==========  ======================================================================
 
@@ -41,6 +42,7 @@ EXIT_BUDGET_EXHAUSTED = 3
 EXIT_NO_PROGRESS = 4
 EXIT_RENDEZVOUS_FAILED = 5
 EXIT_STORAGE_FAILED = 6
+EXIT_NODE_UNHEALTHY = 7
 
 REASONS = {
     EXIT_USAGE: "config_error",
