@@ -36,6 +36,19 @@ class StopJob(UnbrokenError):
     exit_code = EXIT_STORAGE
 
 
+EXIT_PREEMPTED = 143
+"""A worker's exit code after a graceful preemption (128 + SIGTERM, as a process the signal
+ended): its newest step is committed (``Preempted``)."""
+
+
+class Preempted(StopJob):
+    """The job was asked to stop (SIGTERM) and every rank saved the same step durably: not a
+    failure. ``unbroken.main`` exits with ``EXIT_PREEMPTED`` (143); the relaunched job resumes
+    from that step (``unbroken.checkpoint.preempt``)."""
+
+    exit_code = EXIT_PREEMPTED
+
+
 class ConfigError(UnbrokenError, ValueError):
     """The job is misconfigured (a bad flag, a bad config file): no restart can fix it.
 
@@ -44,3 +57,21 @@ class ConfigError(UnbrokenError, ValueError):
     exit code 2. A ``ValueError``, so code that checks input with ``except ValueError`` still
     catches it.
     """
+
+
+def stop_job_of(error: BaseException | None) -> StopJob | None:
+    """The ``StopJob`` that ended a call, also when another exception (a restart interrupt
+    that a peer's own stop sent) replaced it on its way out: it is then that one's context.
+
+    Args:
+        error: What the call raised (None: it returned).
+
+    Returns:
+        The ``StopJob``, or None.
+    """
+    seen = 0
+    while error is not None and seen < 8:
+        if isinstance(error, StopJob):
+            return error
+        error, seen = error.__context__, seen + 1
+    return None

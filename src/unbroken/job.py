@@ -50,7 +50,9 @@ import dataclasses
 import functools
 import logging
 import os
+import signal
 import sys
+import threading
 import time
 import traceback
 from collections.abc import Callable, Iterator, Mapping
@@ -58,17 +60,17 @@ from pathlib import Path
 from typing import Any, NoReturn, TypeVar
 
 from unbroken import restart
-from unbroken.checkpoint import node
+from unbroken.checkpoint import node, preempt
 from unbroken.checkpoint.checkpointer import Checkpointer, open_checkpointers
 from unbroken.checkpoint.persisting import forkserver, hooks
 from unbroken.env import Overrides, WorkerEnv, standby_start
-from unbroken.errors import EXIT_CONFIG, ConfigError, StopJob
+from unbroken.errors import EXIT_CONFIG, ConfigError, Preempted, StopJob
 from unbroken.faults import FaultInjector, load_plan
 from unbroken.launcher.client import heartbeat
 from unbroken.ledger import NULL, Ledger, phases, process_start_time
 from unbroken.ledger import events as ev
 from unbroken.ledger.active import activate
-from unbroken.ledger.writer import open_for_process, record_failure
+from unbroken.ledger.writer import open_for_process, record_failure, sigterm_taken_by
 from unbroken.restart import Escalated, RankExcluded, RestartConfig, RestartContext
 
 logger = logging.getLogger(__name__)
@@ -162,6 +164,7 @@ def run(
             stack.enter_context(node.provide_job(offer))
             # Before fn builds anything: its writers share no page of it.
             stack.enter_context(forkserver.serving())
+            stack.enter_context(_preemptible())
             if injector is not None:
                 stack.enter_context(phases.listening(injector.on_phase))
                 stack.enter_context(hooks.offer(injector.hooks_for))
@@ -171,7 +174,7 @@ def run(
                 ledger=ledger,
                 env=env,
             )
-    except (Escalated, RankExcluded, ConfigError, KeyboardInterrupt, SystemExit):
+    except (Escalated, RankExcluded, ConfigError, Preempted, KeyboardInterrupt, SystemExit):
         if ledger is not None:
             ledger.close()
         raise
@@ -231,6 +234,9 @@ def main(
         get_error_handler().record_exception(e)
         logger.error("configuration error: %s; exit code %d", e, EXIT_CONFIG)
         sys.exit(EXIT_CONFIG)
+    except Preempted as e:  # asked to stop, and the newest step is saved: not an error
+        logger.warning("%s; exit code %d", e, e.exit_code)
+        sys.exit(e.exit_code)
     except StopJob as e:  # the job ends on purpose (failed storage): the launcher ends it
         get_error_handler().record_exception(e)
         logger.error("%s: %s; exit code %d", type(e).__name__, e, e.exit_code)
@@ -331,6 +337,46 @@ def _committed_step() -> int | None:
 
 def _beat(step: int) -> None:
     heartbeat(step, committed_step=_committed_step())
+
+
+def _saving() -> bool:
+    """Whether an open Checkpointer saves on its own (``maybe_save``: it can stop gracefully)."""
+    return any(c.config.every_steps > 0 or c.config.adaptive for c in open_checkpointers())
+
+
+def _take_sigterm() -> bool:
+    """A SIGTERM asks for a graceful preemption while a Checkpointer that saves is open."""
+    if not _saving():
+        return False
+    if preempt.requested() is None:
+        preempt.request()
+        logger.warning("SIGTERM: saving the step every rank stops at, then exiting")
+    return True
+
+
+@contextlib.contextmanager
+def _preemptible() -> Iterator[None]:
+    """SIGTERM asks for a graceful preemption (``unbroken.checkpoint.preempt``: the next
+    ``maybe_save`` agrees on a step with the other ranks, saves it and raises ``Preempted``)
+    while a Checkpointer that saves is open; otherwise it ends the process as before (the
+    ledger's SIGTERM flush: ``unbroken.ledger.writer.install_sigterm_flush``)."""
+    previous = None
+    main = threading.current_thread() is threading.main_thread()
+    if main and signal.getsignal(signal.SIGTERM) in (signal.SIG_DFL, None):  # no ledger
+
+        def on_term(signum: int, frame: Any) -> None:
+            if not _take_sigterm():
+                signal.signal(signum, signal.SIG_DFL)
+                os.kill(os.getpid(), signum)
+
+        previous = signal.signal(signal.SIGTERM, on_term)
+    try:
+        with sigterm_taken_by(_take_sigterm):
+            yield
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+        preempt.clear()
 
 
 def _with_hooks(

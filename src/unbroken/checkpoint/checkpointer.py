@@ -51,7 +51,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from unbroken.checkpoint import layout, node
+from unbroken.checkpoint import layout, node, preempt
 from unbroken.checkpoint.config import (
     SETTINGS,
     CheckpointConfig,
@@ -180,6 +180,7 @@ class Checkpointer:
             staging=staging,
         )
         self._adaptive = AdaptiveSaves.of(self.root, self.config, self._ledger, self.rank)
+        self._graceful = preempt.Stop(self.root, self.run)
         if self.config.eager_writer:
             self._saves.inflight.start_writer(self._saves.hooks)  # the first: nothing to hand over
         _created.add(self)
@@ -200,7 +201,12 @@ class Checkpointer:
             CheckpointError: When the Checkpointer is closed.
             StorageFailed: ``on_storage_failure="stop"``: storage failed for
                 ``storage_failure_limit_s`` and the final save failed too.
+            Preempted: This process got SIGTERM inside ``unbroken.run``, and ``step`` is the
+                one every rank agreed to stop at: it was saved (and committed, unless storage
+                failed) first (``unbroken.checkpoint.preempt``).
         """
+        if self._graceful.due(step):
+            self._preempted(step, state)
         adaptive = self._adaptive
         if self.config.due(step) if adaptive is None else adaptive.due(step, self._saves.stats):
             t0 = time.time()
@@ -212,6 +218,14 @@ class Checkpointer:
             return self.snapshot(step, state)
         self.note(step, state)
         return False
+
+    @masked  # every rank saves and raises Preempted: a peer that raised first interrupts no one
+    def _preempted(self, step: int, state: Mapping[str, Any]) -> None:
+        t0 = time.time()
+        self._saves.save(step, state, durable=True, last=True)
+        durable = self.wait()
+        why = None if durable else str(self.storage.last_error)
+        preempt.stopped(step, began=t0, ledger=self._ledger, failed=why, latest=self.latest())
 
     def save(self, step: int, state: Mapping[str, Any]) -> bool:
         """Snapshot ``state`` as the checkpoint of ``step``. Async: returns once staged; sync:

@@ -137,21 +137,27 @@ class Saves:
         self.check()
         return inflight.outcome in ("persisted", "committed")
 
-    def save(self, step: int, state: Mapping[str, Any], *, durable: bool) -> bool:
+    def save(
+        self, step: int, state: Mapping[str, Any], *, durable: bool, last: bool = False
+    ) -> bool:
         """``stage`` in the ``save`` phase when ``durable``.
 
         Returns:
             As ``stage``."""
         with phases.region("save") if durable else contextlib.nullcontext():
-            return self.stage(step, state, durable=durable)
+            return self.stage(step, state, durable=durable, last=last)
 
-    def stage(self, step: int, state: Mapping[str, Any], *, durable: bool) -> bool:
+    def stage(
+        self, step: int, state: Mapping[str, Any], *, durable: bool, last: bool = False
+    ) -> bool:
         """Stage ``state`` as ``step``: a save (``durable``) or a memory snapshot.
 
         Args:
             step: The step just completed (0-based).
             state: As ``Checkpointer.save`` takes it.
             durable: A save (handed to the writer); False: a snapshot in memory only.
+            last: The job's last save (a preemption): never held back or skipped, and waited
+                for (``wait`` tells whether it is durable).
 
         Returns:
             False when skipped (a save while the previous one persists, without the memory tier,
@@ -163,7 +169,7 @@ class Saves:
         """
         t0, state = time.time(), self.extras.full(state)
         self.check()
-        if step == self.last_step:
+        if step == self.last_step and not last:
             return False
         if self.config.overlap:
             self.staging.hook(state, self.wait_staged)
@@ -173,7 +179,7 @@ class Saves:
         skipped = False
         health = self.inflight.health
         final = durable and health.final_due()  # "stop": the last attempt, waited for
-        held_back = None if final or not durable else health.hold()
+        held_back = None if final or last or not durable else health.hold()
         if held_back:  # storage failing: back off (still a snapshot in memory)
             self.inflight.skip(step, held_back)
             if not self.config.memory_tier:
@@ -183,7 +189,8 @@ class Saves:
         elif busy and durable:
             current = self.inflight.current
             assert current is not None
-            if self.config.mode == "async" and self.config.on_busy == "skip" and not final:
+            skip = self.config.mode == "async" and self.config.on_busy == "skip"
+            if skip and not (final or last):
                 self.inflight.skip(step, f"the save of step {current.step} is still persisting")
                 if not self.config.memory_tier:
                     self.stats.blocking_s += time.time() - t0

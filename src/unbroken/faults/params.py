@@ -100,13 +100,7 @@ def check_params(kind: str, params: Mapping[str, Any], *, where: str) -> None:
             raise ValueError(
                 f"{where}: give saves (how many saves are slow) or seconds (for how long), not both"
             )
-        ranks = params.get("ranks")
-        if (
-            "ranks" in params
-            and ranks != "all"
-            and not (isinstance(ranks, list) and ranks and all(is_int(r) and r >= 0 for r in ranks))
-        ):
-            raise _param_error(where, "ranks", ranks, kind)
+        _check_ranks(params, where=where, kind=kind)
     elif kind == "storage-fail":
         _check_storage_fail(params, where=where)
     elif (
@@ -132,13 +126,7 @@ def _check_storage_fail(params: Mapping[str, Any], *, where: str) -> None:
     saves: Any = params.get("saves")
     if "saves" in params and not (is_int(saves) and saves >= 1):
         raise _param_error(where, "saves", saves, kind)
-    ranks = params.get("ranks")
-    if (
-        "ranks" in params
-        and ranks != "all"
-        and not (isinstance(ranks, list) and ranks and all(is_int(r) and r >= 0 for r in ranks))
-    ):
-        raise _param_error(where, "ranks", ranks, kind)
+    _check_ranks(params, where=where, kind=kind)
     if "stall_s" in params:
         stall = params["stall_s"]
         if not (_number(stall) and 0 < stall <= MAX_WINDOW_S):
@@ -148,6 +136,17 @@ def _check_storage_fail(params: Mapping[str, Any], *, where: str) -> None:
                 f"{where}: stall_s applies only to error: stall (got error: {error}); "
                 "remove stall_s or set error: stall"
             )
+
+
+def _check_ranks(params: Mapping[str, Any], *, where: str, kind: str) -> None:
+    """``ranks``, when given: "all" or a non-empty list of ranks."""
+    ranks = params.get("ranks")
+    if (
+        "ranks" in params
+        and ranks != "all"
+        and not (isinstance(ranks, list) and ranks and all(is_int(r) and r >= 0 for r in ranks))
+    ):
+        raise _param_error(where, "ranks", ranks, kind)
 
 
 def _check_degrading(kind: str, params: Mapping[str, Any], *, where: str) -> None:

@@ -180,14 +180,19 @@ def _check_fsx(spec: DeploySpec) -> None:
                 f"FSx (existing file system): {missing} missing; `aws fsx describe-file-systems` "
                 "shows FileSystemId, DNSName and LustreConfiguration.MountName"
             )
-        _match(spec, "fsx_file_system_id", _FS_ID, "a file system id such as fs-0123456789abcdef0")
+        _match(spec, "fsx_file_system_id", _FS_ID, "a file system id such as fs-xxxxxxxxxxxxxxxxx")
         _match(
             spec,
             "fsx_dns_name",
             _DNS_SUBDOMAIN,
-            "the DNSName, such as fs-0123456789abcdef0.fsx.us-east-1.amazonaws.com",
+            "the DNSName, such as fs-xxxxxxxxxxxxxxxxx.fsx.us-east-1.amazonaws.com",
         )
-        _match(spec, "fsx_mount_name", _MOUNT_NAME, "the file system's MountName, such as abcdef12")
+        _match(
+            spec,
+            "fsx_mount_name",
+            _MOUNT_NAME,
+            "the file system's MountName (8 letters and digits)",
+        )
         return
     if spec.fsx_subnet_id is None or not spec.fsx_security_group_ids:
         raise ValueError(
@@ -196,12 +201,12 @@ def _check_fsx(spec: DeploySpec) -> None:
             f"fsx_subnet_id={spec.fsx_subnet_id!r}, "
             f"fsx_security_group_ids={list(spec.fsx_security_group_ids)}"
         )
-    _match(spec, "fsx_subnet_id", _SUBNET, "a subnet id such as subnet-0123456789abcdef0")
+    _match(spec, "fsx_subnet_id", _SUBNET, "a subnet id such as subnet-xxxxxxxxxxxxxxxxx")
     for sg in spec.fsx_security_group_ids:
         if not _SG.match(sg):
             raise ValueError(
                 f"fsx_security_group_ids: {sg!r} is not a security group id such as "
-                "sg-0123456789abcdef0"
+                "sg-xxxxxxxxxxxxxxxxx"
             )
     kind = fsx_deployment_type(spec)
     if kind not in FSX_THROUGHPUT:

@@ -103,57 +103,64 @@ def _base_env(spec: largs.JobSpec) -> dict[str, str]:
     return dict(os.environ)
 
 
-def _rendezvous_failed(ledger: Ledger, path: Path, run_id: str, e: Exception) -> int:
+def _agent_gave_up(
+    ledger: Ledger,
+    path: Path,
+    run_id: str,
+    *,
+    exit_code: int,
+    cause: str,
+    category: str,
+    message: str,
+) -> int:
+    """The agent ends the job before any worker ran: error file, ledger, log; the exit code."""
     failure = Failure(
         rank=-1,
         local_rank=-1,
-        cause="rendezvous",
-        category="infra",
-        detector="rendezvous",
-        ts=time.time(),
-        message=str(e),
-    )
-    rec = errors.write_error_file(
-        path, exit_code=errors.EXIT_RENDEZVOUS_FAILED, failures=[failure], restarts=0, run_id=run_id
-    )
-    ledger.emit(
-        ev.JOB_END,
-        status="failed",
-        exit_code=errors.EXIT_RENDEZVOUS_FAILED,
-        reason=rec["reason"],
-        cause="rendezvous",
-        fault_rank=-1,
-    )
-    logger.error("%s", e)
-    return errors.EXIT_RENDEZVOUS_FAILED
-
-
-def _node_unhealthy(ledger: Ledger, path: Path, run_id: str, bad: list[nodecheck.Verdict]) -> int:
-    message = "this node failed its node checks and stays out of the job: " + "; ".join(
-        v.line() for v in bad
-    )
-    failure = Failure(
-        rank=-1,
-        local_rank=-1,
-        cause="node_check",
-        category="platform",
-        detector="node_check",
+        cause=cause,
+        category=category,
+        detector=cause,
         ts=time.time(),
         message=message,
     )
     rec = errors.write_error_file(
-        path, exit_code=errors.EXIT_NODE_UNHEALTHY, failures=[failure], restarts=0, run_id=run_id
+        path, exit_code=exit_code, failures=[failure], restarts=0, run_id=run_id
     )
     ledger.emit(
         ev.JOB_END,
         status="failed",
-        exit_code=errors.EXIT_NODE_UNHEALTHY,
+        exit_code=exit_code,
         reason=rec["reason"],
-        cause="node_check",
+        cause=cause,
         fault_rank=-1,
     )
     logger.error("%s", message)
-    return errors.EXIT_NODE_UNHEALTHY
+    return exit_code
+
+
+def _rendezvous_failed(ledger: Ledger, path: Path, run_id: str, e: Exception) -> int:
+    return _agent_gave_up(
+        ledger,
+        path,
+        run_id,
+        exit_code=errors.EXIT_RENDEZVOUS_FAILED,
+        cause="rendezvous",
+        category="infra",
+        message=str(e),
+    )
+
+
+def _node_unhealthy(ledger: Ledger, path: Path, run_id: str, bad: list[nodecheck.Verdict]) -> int:
+    return _agent_gave_up(
+        ledger,
+        path,
+        run_id,
+        exit_code=errors.EXIT_NODE_UNHEALTHY,
+        cause="node_check",
+        category="platform",
+        message="this node failed its node checks and stays out of the job: "
+        + "; ".join(v.line() for v in bad),
+    )
 
 
 def metrics_host(spec: largs.JobSpec, cfg: largs.lconfig.LauncherConfig) -> str:

@@ -218,7 +218,8 @@ def coerce(name: str, value: Any, *, source: str) -> Any:
     if kind == "modules":
         items = value.split(",") if isinstance(value, str) else value
         if not isinstance(items, (list, tuple)) or not all(isinstance(m, str) for m in items):
-            raise ValueError(f"{source}: {name} must be a list of names, got {value!r:.80}")
+            what = "module names" if name == "preload" else "check names"
+            raise ValueError(f"{source}: {name} must be a list of {what}, got {value!r:.80}")
         return tuple(m.strip() for m in items if m.strip())
     if kind == "bool":
         if isinstance(value, bool):

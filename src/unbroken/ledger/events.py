@@ -78,7 +78,9 @@ KINDS = frozenset(
 
 # Phase names of ours: each maps to the badput category of the same name, except "import" ->
 # startup. Any other valid name (``phases.check_name``) is a user's phase: badput "custom".
-PHASES = frozenset({"import", "rendezvous", "pg_init", "model_build", "data", "shutdown"})
+PHASES = frozenset(
+    {"import", "rendezvous", "pg_init", "model_build", "data", "shutdown", "preemption"}
+)
 
 # Layers that recover a fault.
 LAYERS = ("inprocess", "launcher", "orchestrator")

@@ -78,7 +78,8 @@ Partition of [t0, t1]
     2. ``checkpoint_load``: reference-rank ``ckpt_load`` intervals (and phase ``ckpt_load``).
     3. phases, by name, in this order: ``startup`` (phase ``import``), ``rendezvous``,
        ``pg_init``, ``model_build``, ``data``, ``custom`` (every other valid name: the
-       user's own, ``RestartContext.phase``), ``shutdown``.
+       user's own, ``RestartContext.phase``), ``preemption`` (a graceful stop's last save,
+       from its staging to its commit: ``unbroken.checkpoint.preempt``), ``shutdown``.
        The launcher's (rank ``LAUNCHER_RANK``) phases, up to the begin of the reference
        rank's first record, count as ``startup`` (its start-up, rendezvous and launch).
     4. ``productive``: surviving step intervals.
@@ -235,6 +236,7 @@ _PHASE_CATEGORY = {
     "model_build": "model_build",
     "data": "data",
     "shutdown": "shutdown",
+    "preemption": "preemption",
     "ckpt_load": "checkpoint_load",
 }
 # Tie-break for records with equal ts: intervals that end there first, then a fault's injection

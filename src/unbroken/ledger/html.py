@@ -31,6 +31,7 @@ COLORS = {
     "detection": "#CC79A7",
     "recovery": "#B22222",
     "shutdown": "#999999",
+    "preemption": "#E69F00",
     "other": "#DDDDDD",
 }
 LINE_COLORS = ["#0072B2", "#D55E00", "#009E73", "#CC79A7", "#E69F00", "#56B4E9", "#000000"]

@@ -24,6 +24,7 @@ CATEGORIES = (
     "model_build",
     "data",
     "custom",
+    "preemption",
     "shutdown",
     "productive",
     "reexecuted",
@@ -44,6 +45,7 @@ ML_GOODPUT = {
     "detection": "infrastructure_recovery",
     "recovery": "infrastructure_recovery",
     "custom": "custom_badput_events",
+    "preemption": "other",
     "shutdown": "other",
     OTHER: "other",
 }

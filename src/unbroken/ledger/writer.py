@@ -26,7 +26,7 @@ import signal
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from types import FrameType
@@ -368,8 +368,32 @@ def record_failure(ledger: Ledger, error: BaseException, *, fault_rank: int) -> 
     )
 
 
+_takers: list[Callable[[], bool]] = []
+
+
+@contextlib.contextmanager
+def sigterm_taken_by(taker: Callable[[], bool]) -> Iterator[None]:
+    """While the block runs, a SIGTERM that ``taker()`` takes (returns True: it stops the
+    process its own way, e.g. a graceful preemption) neither closes the ledger nor ends the
+    process (``install_sigterm_flush``). ``taker`` may run on any thread; keep it cheap.
+
+    Args:
+        taker: Asked at each SIGTERM.
+    """
+    _takers.append(taker)
+    try:
+        yield
+    finally:
+        _takers.remove(taker)
+
+
+def _taken() -> bool:
+    return any(taker() for taker in list(_takers))
+
+
 def install_sigterm_flush(ledger: Ledger) -> None:
-    """On SIGTERM: close the ledger (writing every record), then die of SIGTERM as before.
+    """On SIGTERM: close the ledger (writing every record), then die of SIGTERM as before
+    (unless a ``sigterm_taken_by`` taker takes it).
 
     Prompt even when the main thread is blocked in native code (a collective, a store wait),
     where a Python signal handler only runs once that call returns: the interpreter's C-level
@@ -386,6 +410,8 @@ def install_sigterm_flush(ledger: Ledger) -> None:
     previous = signal.getsignal(signal.SIGTERM)
 
     def handler(signum: int, frame: FrameType | None) -> None:
+        if _taken():
+            return
         ledger.close()
         if callable(previous):
             previous(signum, frame)
@@ -411,7 +437,7 @@ def install_sigterm_flush(ledger: Ledger) -> None:
     def watch() -> None:
         while True:
             data = os.read(r, 64)
-            if not data or signal.SIGTERM in data:
+            if not data or (signal.SIGTERM in data and not _taken()):
                 break
         ledger.close()
         _die_of_sigterm()

@@ -27,6 +27,7 @@ HANG = "hang"  # watchdog: no progress, Python running
 STUCK = "stuck"  # watchdog: no progress, no Python running
 PEER = "peer"  # interrupted because another rank reported a fault
 PG_INIT = "pg_init"  # the process group could not be formed
+STOP = "stop"  # fn stopped on purpose, every rank at the same step (a graceful preemption)
 
 STATUS_OK = "ok"
 STATUS_RESTART = "restart"

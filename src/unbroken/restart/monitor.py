@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
+from unbroken.errors import Preempted, stop_job_of
 from unbroken.ledger import Recorder
 from unbroken.ledger import events as ev
 from unbroken.ledger.busy import proc_sent_bytes
@@ -169,9 +170,10 @@ class Monitor:
             mine = self._detection is None and error is not None
             if mine:
                 assert armed is not None
+                stopped = isinstance(stop_job_of(error), Preempted)
                 self._detection = Detection(
-                    kind=assign.EXCEPTION,
-                    detector="exception",
+                    kind=assign.STOP if stopped else assign.EXCEPTION,
+                    detector="preempted" if stopped else "exception",
                     message=f"{type(error).__name__}: {error}"[:500],
                     fault_rank=armed.rank,
                     origin=True,
@@ -180,7 +182,8 @@ class Monitor:
         self._backstop.cancel()
         assert armed is not None
         if mine and detection is not None:
-            self._emit_detected(detection)
+            if detection.kind != assign.STOP:  # a graceful stop is no fault
+                self._emit_detected(detection)
             self._publish(armed, detection)
             armed.transport.close()
         if self._reporter is not None:
@@ -388,6 +391,9 @@ class Monitor:
             told = f"rank {int(report['rank'])} reported {report['kind']}: {report['message']}"
         except (ValueError, KeyError, TypeError, RecursionError):  # not written by a peer of ours
             logger.warning("ignored a malformed wake-up in the coordination store: %.80r", raw)
+            return
+        if report["kind"] == assign.STOP:  # we are on our way to the same stop: no restart
+            logger.info("%s", told)
             return
         now = time.monotonic()
         with self._lock:

@@ -20,7 +20,10 @@ any ``ValueError`` before it completed its first step in the first iteration of 
 launcher attempt (bad input found while setting up), ends ``run`` on that rank at once as a
 ``ConfigError`` (``unbroken.main`` exits with ``EXIT_CONFIG``; ``unbroken-run`` then ends the
 job with exit code 2); its peers are told, as for ``KeyboardInterrupt``. So does a ``StopJob``
-(storage that failed for good under ``on_storage_failure="stop"``): it is re-raised as it is.
+(storage that failed for good under ``on_storage_failure="stop"``, a graceful preemption), also
+when a peer's interrupt replaced it on its way out: it is re-raised as it is. A ``Preempted``
+is no fault: no ``fault_detected`` or ``restart_begin`` is recorded for it, and a peer told of
+it is not interrupted (it is on its way to its own, at the same step).
 
 Before returning (or raising), every rank writes ``bye/<member>``; the rank that started the
 store server waits for every member's bye, then stops it. No thread or process of ours
@@ -40,7 +43,7 @@ from typing import Any, TypeVar
 import torch.distributed as dist
 
 from unbroken.env import WorkerEnv
-from unbroken.errors import ConfigError, StopJob
+from unbroken.errors import ConfigError, Preempted, stop_job_of
 from unbroken.ledger import NULL, Recorder
 from unbroken.ledger import events as ev
 from unbroken.restart import assign, pg, solo
@@ -322,23 +325,29 @@ class _Runner:
         detection, seq = self.monitor.fn_exited(outcome.error)
         ctx._exited(outcome.error)
         config_error = self._config_error(outcome.error, iteration, ctx.last_step)
-        fatal = config_error is not None or isinstance(
-            outcome.error, (KeyboardInterrupt, SystemExit, StopJob)
+        stop = stop_job_of(outcome.error)
+        fatal = (
+            config_error is not None
+            or stop is not None
+            or isinstance(outcome.error, (KeyboardInterrupt, SystemExit))
         )
         if detection is None:
             record = assign.ExitRecord(
                 member=self.member, rank=rank, kind=assign.OK, last_step=ctx.last_step
             )
             return record, outcome.value, None
-        began = self._restart_begin(
-            cause_kind=detection.kind,
-            detector=detection.detector,
-            sockets_closed=transport.closed,
-            interrupts=self.interrupter.delivered - interrupts_before,
-        )
+        began = None  # a graceful stop (Preempted) begins no restart
+        if detection.kind != assign.STOP:
+            began = self._restart_begin(
+                cause_kind=detection.kind,
+                detector=detection.detector,
+                sockets_closed=transport.closed,
+                interrupts=self.interrupter.delivered - interrupts_before,
+            )
         pg.teardown(self.reaper, abort=True)
         error = outcome.error
-        if detection.origin and error is not None and not isinstance(error, RestartInterrupt):
+        quiet = (RestartInterrupt, Preempted)  # no fault: no traceback to show
+        if detection.origin and error is not None and not isinstance(error, quiet):
             # Logged on the reaper: formatting a traceback takes milliseconds.
             self.reaper.call(functools.partial(_log_error, rank, error))
         record = assign.ExitRecord(
@@ -358,7 +367,7 @@ class _Runner:
                 self.client.set(self.keys.health(iteration, self.member), '{"ok": false}')
             except (RuntimeError, dist.DistStoreError):
                 pass
-            raise config_error or error
+            raise config_error or stop or error
         # fn's frames (its model, its process group) die on the reaper, off this path.
         self.reaper.drop((outcome, ctx))
         self.reaper.call(self._collect)

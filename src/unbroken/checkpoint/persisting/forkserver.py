@@ -69,6 +69,7 @@ def _reset_signal_handlers() -> None:
         with contextlib.suppress(OSError, ValueError):
             if callable(signal.getsignal(sig)):
                 signal.signal(sig, signal.SIG_DFL)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the fork server ignores it (``_serve``)
 
 
 def prepare_child(keep: set[int]) -> None:
@@ -109,6 +110,10 @@ def _serve(sock: socket.socket, parent: int, *, pdeathsig: bool) -> None:
     if pdeathsig:
         with contextlib.suppress(OSError, AttributeError):
             ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    # A SIGTERM to the trainer's process group (the launcher stopping it, a pod's stop) is the
+    # trainer's to act on: a graceful preemption saves through writers this server forks. The
+    # server leaves with the trainer (its socket, the parent check, PR_SET_PDEATHSIG).
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     wake_r, wake_w = os.pipe()
     os.set_blocking(wake_w, False)
     signal.set_wakeup_fd(wake_w, warn_on_full_buffer=False)

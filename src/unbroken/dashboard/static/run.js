@@ -3,7 +3,7 @@
 const runName = decodeURIComponent(location.pathname.slice("/run/".length));
 const BADPUT_COLORS = {
   checkpoint_save: "#7c3aed", checkpoint_load: "#a78bfa", startup: "#64748b", rendezvous: "#0891b2",
-  pg_init: "#06b6d4", model_build: "#14b8a6", data: "#84cc16", shutdown: "#94a3b8",
+  pg_init: "#06b6d4", model_build: "#14b8a6", data: "#84cc16", shutdown: "#94a3b8", preemption: "#f59e0b",
   reexecuted: "#f97316", detection: "#dc2626", recovery: "#ef4444", other: "#cbd5e1",
 };
 let stepChart = null;
