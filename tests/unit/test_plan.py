@@ -164,3 +164,13 @@ def test_cli_plan_from_a_report_json(tmp_path: Path, capsys: pytest.CaptureFixtu
 def test_cli_plan_exits_2_on_bad_input(argv: list[str], capsys: pytest.CaptureFixture) -> None:
     assert cli.main(argv) == 2
     assert "error:" in capsys.readouterr().err
+
+
+def test_the_stop_grace_covers_two_steps_and_one_durable_save_doubled(capsys) -> None:
+    cfg = PlanConfig(
+        nodes=2, gpus_per_node=8, step_time_s=1.5, state_bytes=160e9, storage_bytes_per_s=10e9
+    )
+    assert cfg.persist_s == 16.0
+    assert cfg.stop_grace_s == pytest.approx(2 * (2 * 1.5 + cfg.stage_s + 16.0))
+    assert cli.main(["plan", "--steps", "100", "--trials", "1", "--state-bytes", "160e9"]) == 0
+    assert "a stop grace of at least" in capsys.readouterr().out

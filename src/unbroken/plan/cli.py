@@ -14,6 +14,7 @@ import argparse
 import ast
 import inspect
 import json
+import math
 import sys
 from pathlib import Path
 from typing import Any
@@ -164,7 +165,7 @@ def run_plan(cfg: PlanConfig, args: argparse.Namespace) -> dict[str, Any]:
         pred = predict(cfg, layering)
         spread = simulate(cfg, layering, trials=args.trials, seed=args.seed)
         rows.append({"prediction": pred.to_dict(), "monte_carlo": spread.to_dict()})
-    return {"config": _config_dict(cfg), "layerings": rows}
+    return {"config": _config_dict(cfg), "layerings": rows, "stop_grace_s": cfg.stop_grace_s}
 
 
 def _config_dict(cfg: PlanConfig) -> dict[str, Any]:
@@ -189,6 +190,11 @@ def print_plan(cfg: PlanConfig, doc: dict[str, Any], sources: list[str]) -> None
     )
     if sources:
         print(f"measured (--from): {', '.join(sources)}; the rest are defaults")
+    print(
+        f"graceful preemption: a stop grace of at least {math.ceil(cfg.stop_grace_s)} s "
+        "(--ft-stop-grace-s, terminationGracePeriodSeconds): two steps, then one durable save, "
+        "doubled"
+    )
     head = (
         f"{'layering':<11} {'training goodput':>16} {'p5-p95 (MC)':>13} {'infra':>7} "
         f"{'faults':>7} {'durable every':>13} {'memory every':>12} {'memory/node':>11} "

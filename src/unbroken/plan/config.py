@@ -207,6 +207,14 @@ class PlanConfig:
         return self.shard_bytes / self.stage_bytes_per_s
 
     @property
+    def stop_grace_s(self) -> float:
+        """The grace period a graceful preemption needs (``--ft-stop-grace-s``, Kubernetes'
+        ``terminationGracePeriodSeconds``): the ranks stop two steps after the first one
+        hears SIGTERM (``unbroken.checkpoint.preempt.MARGIN``), then stage and persist one
+        durable save; doubled, for a step or a write slower than planned."""
+        return 2.0 * (2 * self.step_time_s + self.stage_s + self.persist_s)
+
+    @property
     def productive_s(self) -> float:
         """Seconds of steps the job needs without faults or overheads."""
         return self.steps * self.step_time_s

@@ -12,11 +12,15 @@ calls it:
 - ``at`` at each point of the commit protocol (``POINTS``), with the step being saved: a
   test may stop the writer there (and a test only: production code passes no hooks).
 
+The storage-fail fault's hooks (``unbroken.faults.storagefail.FailingStorage``) raise the
+failing storage's ``OSError`` from either call, which fails that save as the file system
+would; a plan with both kinds combines them (``storagefail.Combined``).
+
 Inside ``unbroken.run`` a Checkpointer built without ``hooks`` takes those it is offered
 (``offer``/``offered``): the fault plan's, when it holds a storage fault.
 
 A hooks object must be picklable and importable by the writer process (a module on
-``sys.path``, not ``__main__``), cheap, and must not raise: an exception fails that save.
+``sys.path``, not ``__main__``) and cheap; an exception it raises fails that save.
 Nothing here imports torch.
 """
 
