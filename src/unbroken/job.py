@@ -217,8 +217,10 @@ def main(
     Exit codes: 0 when ``fn`` returned; ``Escalated.exit_code`` (75) when in-process restart
     gave up (the launcher takes over); ``RankExcluded.exit_code`` (0) on a rank that left the
     job; ``EXIT_CONFIG`` (78) on a ``ConfigError`` (``unbroken-run`` then ends the job with
-    exit code 2); a ``StopJob``'s ``exit_code`` (``EXIT_STORAGE``, 74: checkpoint storage
-    failed for good; ``unbroken-run`` then ends the job with exit code 6); 1 on any other error (a traceback; the launcher's error file names it).
+    exit code 2); a ``StopJob``'s ``exit_code``: ``EXIT_STORAGE`` (74) when checkpoint storage
+    failed for good (``unbroken-run`` then ends the job with exit code 6), ``EXIT_PREEMPTED``
+    (143) after a graceful preemption saved the step every rank stopped at; 1 on any other
+    error (a traceback; the launcher's error file names it).
     """
     from torch.distributed.elastic.multiprocessing.errors import get_error_handler
 

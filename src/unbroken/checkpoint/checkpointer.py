@@ -24,9 +24,10 @@ save the writer reports failed (full, read-only, I/O errors), one not durable wi
 (``ckpt_fail``) and never raised into the training step; training goes on with the memory
 tier's snapshots, durable saves are retried with back-off, and ``storage`` says how long this
 rank has run unprotected (``persisting.health``; ``on_storage_failure`` "stop" ends the job
-with ``StorageFailed`` after a limit). ``snapshot_every`` stages memory-only snapshots (``snapshot``) between the durable
-saves of ``every_steps``; with ``memory_keeper`` (set by ``unbroken-run``) they outlive the
-process.
+with ``StorageFailed`` after a limit). ``snapshot_every`` stages memory-only snapshots
+(``snapshot``) between the durable saves of ``every_steps``; with ``memory_keeper`` (set by
+``unbroken-run``) they outlive the process. On SIGTERM inside ``unbroken.run``, ``maybe_save``
+stops the job gracefully (``preempt``).
 
 The environment's overrides win over the arguments (``config.overridden``). Phases
 (``unbroken.ledger.phases``): ``restore``, ``save`` (durable), ``persist`` (handed to the
@@ -307,7 +308,8 @@ class Checkpointer:
         Ctrl-C): ``abort`` instead.
 
         Raises:
-            CheckpointError: When waiting failed (the writer is stopped all the same).
+            Exception: Whatever waiting raised that is not a failed save (the writer is
+                stopped all the same); a failed save is recorded, not raised.
         """
         if self._saves.closed:
             return

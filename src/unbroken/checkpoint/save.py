@@ -179,7 +179,8 @@ class Saves:
         skipped = False
         health = self.inflight.health
         final = durable and health.final_due()  # "stop": the last attempt, waited for
-        held_back = None if final or last or not durable else health.hold()
+        must = final or last  # never held back or skipped
+        held_back = None if must or not durable else health.hold()
         if held_back:  # storage failing: back off (still a snapshot in memory)
             self.inflight.skip(step, held_back)
             if not self.config.memory_tier:
@@ -190,7 +191,7 @@ class Saves:
             current = self.inflight.current
             assert current is not None
             skip = self.config.mode == "async" and self.config.on_busy == "skip"
-            if skip and not (final or last):
+            if skip and not must:
                 self.inflight.skip(step, f"the save of step {current.step} is still persisting")
                 if not self.config.memory_tier:
                     self.stats.blocking_s += time.time() - t0
