@@ -8,23 +8,17 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import time
 from pathlib import Path
 
 from procs import run, unbroken_run_cmd, worker_env
 from unbroken.ledger import read_events
+from unbroken.ports import spare_port
 
 STEPS = 40
 BATCH = ["--batch-size", "4", "--no-inprocess"]  # the launcher's recovery, not in-process
 HASH = re.compile(r"final_state_sha256=([0-9a-f]{64})")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _agent(run_dir: Path, port: int, *, host: bool, log: Path) -> subprocess.Popen[bytes]:
@@ -86,7 +80,7 @@ def test_agent_loss_then_replacement_continues_the_job(tmp_path: Path) -> None:
     assert ref.returncode == 0, ref.output[-3000:]
     expected = ref.hashes()[0]
 
-    run_dir, port = tmp_path / "job", _free_port()
+    run_dir, port = tmp_path / "job", spare_port()
     run_dir.mkdir()
     logs = {n: tmp_path / f"{n}.log" for n in "abc"}
     procs = {"a": _agent(run_dir, port, host=True, log=logs["a"])}

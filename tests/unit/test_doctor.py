@@ -17,6 +17,7 @@ import pytest
 
 from unbroken import cli, doctor
 from unbroken.doctor import EXIT_FAILED, DoctorConfig, backends, host, memory, storage
+from unbroken.ports import ephemeral_range
 
 GB = 1e9
 
@@ -118,7 +119,7 @@ def test_a_bound_port_fails(bound_port: int) -> None:
 
 
 def test_a_free_port_in_the_ephemeral_range_warns() -> None:
-    lo, hi = host._ephemeral_range() or (0, -1)
+    lo, hi = ephemeral_range() or (0, -1)
     with socket.socket() as s:  # port 0 hands out an ephemeral port; free again once closed
         s.bind(("", 0))
         port = s.getsockname()[1]

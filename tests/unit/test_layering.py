@@ -53,6 +53,7 @@ RULES: dict[str, tuple[str, ...]] = {
     "version": (),
     "env": (),
     "log": (),
+    "ports": (),
     "ledger": ("mask",),
     "checkpoint": ("errors", "env", "log", "ledger", "mask"),
     # checkpoint/ by lifecycle: each phase imports the ones below it, never one above
@@ -101,10 +102,10 @@ RULES: dict[str, tuple[str, ...]] = {
     "workload": ("unbroken", "errors", "env", "log", "ledger", "checkpoint", "faults", "restart"),
     "dashboard": ("version", "ledger", "kb"),
     "kb": ("env", "ledger"),
-    "k8s": ("launcher",),
+    "k8s": ("launcher", "ports"),
     "plan": ("ledger",),
     "bench": ("unbroken", *_LIBRARY, "workload", "dashboard", "kb", "k8s"),
-    "doctor": ("env", "checkpoint", "faults", "k8s"),
+    "doctor": ("env", "ports", "checkpoint", "faults", "k8s"),
     "cli": ("unbroken", *_LIBRARY, "workload", "bench", "dashboard", "kb", "k8s", "plan", "doctor"),
 }
 

@@ -13,13 +13,14 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
+
+from unbroken.ports import spare_port
 
 WORKERS = Path(__file__).resolve().parent
 SRC = WORKERS.parents[1] / "src"
@@ -35,12 +36,6 @@ class Rank:
     @property
     def hashes(self) -> list[str]:
         return re.findall(r"final_state_sha256=([0-9a-f]{64})", self.output)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def launch(
@@ -69,7 +64,7 @@ def launch(
         base["MASTER_PORT"] = str(server.port)
         base["UNBROKEN_STORE_ADDR"] = f"127.0.0.1:{server.port}"
     else:
-        base["MASTER_PORT"] = str(free_port())
+        base["MASTER_PORT"] = str(spare_port())
     procs = []
     try:
         for r in range(nproc):

@@ -16,7 +16,7 @@ The checks, by what they look at: ``backends`` (torch, gloo, CUDA and NCCL), ``m
 (/dev/shm, the node's memory, memfd), ``storage`` (the checkpoint file system), ``host``
 (cgroups, network namespaces, ports, clocks); ``config`` holds ``DoctorConfig`` and ``Check``.
 
-Imports of ours: ``unbroken.env``, ``unbroken.checkpoint``, ``unbroken.faults``, ``unbroken.k8s``.
+Imports of ours: ``unbroken.env``, ``unbroken.ports``, ``unbroken.checkpoint``, ``unbroken.faults``, ``unbroken.k8s``.
 """
 
 from __future__ import annotations

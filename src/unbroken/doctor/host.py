@@ -3,12 +3,11 @@ cluster), ports, clocks."""
 
 from __future__ import annotations
 
-import contextlib
 import socket
 import time
-from pathlib import Path
 
 from unbroken.doctor.config import Check, DoctorConfig
+from unbroken.ports import ephemeral_range
 
 _SANE_WALL = (1_704_067_200.0, 4_102_444_800.0)  # 2024-01-01 .. 2100-01-01, UTC
 
@@ -45,13 +44,6 @@ def check_netns(cfg: DoctorConfig) -> Check:
 
 
 # --- ports and clocks -------------------------------------------------------------------------
-def _ephemeral_range() -> tuple[int, int] | None:
-    with contextlib.suppress(OSError, ValueError):
-        lo, hi = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
-        return int(lo), int(hi)
-    return None
-
-
 def _bind(port: int) -> int:
     """Bind and listen on ``port`` of every interface, as a store does; the port bound."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -80,7 +72,7 @@ def check_port(cfg: DoctorConfig) -> Check:
             f"pick a free port (`ss -ltnp 'sport = :{cfg.port}'` shows who holds it)",
         )
     found = f"port {cfg.port} is free; port 0 binds"
-    eph = _ephemeral_range()
+    eph = ephemeral_range()
     if eph and eph[0] <= cfg.port <= eph[1]:
         return Check(
             "port",

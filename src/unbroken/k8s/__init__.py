@@ -12,5 +12,5 @@ and an emulated cluster (``k8s.emulate``) that runs those manifests on one machi
 - ``store``: the rendezvous store process the store pod runs (``unbroken k8s store``).
 
 Importing it does not import torch. Imports of ours: ``unbroken.launcher`` (its flags and exit
-codes, which the manifests must agree with).
+codes, which the manifests must agree with), ``unbroken.ports`` (the emulated cluster's ports).
 """

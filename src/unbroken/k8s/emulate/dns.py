@@ -21,8 +21,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from unbroken.k8s.emulate.net import LoopbackNetwork, Network
+from unbroken.k8s.emulate.net import Network
 from unbroken.k8s.emulate.pod import Pod
+from unbroken.ports import spare_port
 
 
 @dataclass
@@ -81,7 +82,7 @@ class Localizer:
 
     def port(self, port: int) -> int:
         if port not in self.ports:
-            self.ports[port] = LoopbackNetwork.free_port()
+            self.ports[port] = spare_port()
         return self.ports[port]
 
     def rewrite(

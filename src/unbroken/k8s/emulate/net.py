@@ -27,7 +27,6 @@ import logging
 import os
 import re
 import shutil
-import socket
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
@@ -142,12 +141,6 @@ class LoopbackNetwork(Network):
     def attach(self, pod_name: str) -> PodNet:
         n = self._next_index()
         return PodNet(ip=f"127.210.{n // 250}.{n % 250 + 2}")
-
-    @staticmethod
-    def free_port() -> int:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            return int(s.getsockname()[1])
 
 
 class NetnsNetwork(Network):
