@@ -135,6 +135,31 @@ def test_a_hot_spare_takes_the_lost_nodes_place_without_waiting_for_kubernetes(
     assert res.steps_lost is not None and res.steps_lost <= 1
 
 
+def test_the_store_pod_lost_then_a_node_lost_the_job_continues(
+    clean_hash: str, tmp_path: Path
+) -> None:
+    """No single point of failure: the rendezvous store's pod is lost (link down, processes
+    killed) while the job trains; its Deployment replaces it, empty, at a new address; every
+    agent re-joins it without restarting a worker; then a node is lost, and that fault is
+    recovered like any other, to the fault-free weights."""
+    run_ = dataclasses.replace(JOB, lose="index:1", lose_store_at_step=2)
+    res = run_node_loss(run_, tmp_path)
+    assert res.status == "Complete", res.history[-5:]
+    assert res.final_state_sha256 == clean_hash
+    stores = [h for h in res.history if h["event"] == "pod_started" and "rdzv" in h["hostname"]]
+    assert len(stores) == 2 and stores[0]["ip"] != stores[1]["ip"]  # replaced, elsewhere
+    assert res.store_lost_ts is not None and res.lost_ts is not None
+    events = read_events(res.run_dir)
+    rejoined = [e for e in events if e.kind == "rdzv_store" and e.get("state") == "rejoined"]
+    assert {e.get("host") for e in rejoined} >= {"ft-0", "ft-1", "ft-2"}
+    assert all(res.store_lost_ts < e.ts < res.lost_ts for e in rejoined)
+    # Nothing restarted for the store: the only restart is the node's loss.
+    restarts = [e for e in events if e.rank == -1 and e.kind == "restart_begin"]
+    assert restarts and all(e.ts > res.lost_ts for e in restarts)
+    _check_replaced(res, "ft-1")
+    _check_survivors_stayed_warm(res, "ft-1")
+
+
 def test_a_give_up_exit_code_fails_the_job_without_a_restart_loop(tmp_path: Path) -> None:
     """unbroken-run refuses its flags (exit 2): podFailurePolicy fails the Job at once; no pod
     is replaced and the other pods are deleted."""

@@ -1,5 +1,6 @@
 """Two agents on loopback as two nodes: one agent dies, the other re-rendezvouses and the job
-goes on when a replacement agent joins, ending with a fault-free run's weights."""
+goes on when a replacement agent joins, ending with a fault-free run's weights. The same with
+the rendezvous store in a process of its own (the store pod) that is killed and replaced first."""
 
 from __future__ import annotations
 
@@ -9,8 +10,11 @@ import os
 import re
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
+
+import pytest
 
 from procs import run, unbroken_run_cmd, worker_env
 from unbroken.ledger import read_events
@@ -18,7 +22,17 @@ from unbroken.ports import spare_port
 
 STEPS = 40
 BATCH = ["--batch-size", "4", "--no-inprocess"]  # the launcher's recovery, not in-process
+REJOINED = "re-joined the rendezvous store"
 HASH = re.compile(r"final_state_sha256=([0-9a-f]{64})")
+
+
+@pytest.fixture(scope="module")
+def expected(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """final_state_sha256 of the same training, fault-free, 2 ranks on one node."""
+    ref_dir = tmp_path_factory.mktemp("ref")
+    ref = run(unbroken_run_cmd(ref_dir, nproc=2, steps=STEPS, extra=BATCH), timeout_s=180)
+    assert ref.returncode == 0, ref.output[-3000:]
+    return ref.hashes()[0]
 
 
 def _agent(run_dir: Path, port: int, *, host: bool, log: Path) -> subprocess.Popen[bytes]:
@@ -75,11 +89,7 @@ def _gone(pid: int) -> bool:
     return state == "Z"
 
 
-def test_agent_loss_then_replacement_continues_the_job(tmp_path: Path) -> None:
-    ref = run(unbroken_run_cmd(tmp_path / "ref", nproc=2, steps=STEPS, extra=BATCH), timeout_s=180)
-    assert ref.returncode == 0, ref.output[-3000:]
-    expected = ref.hashes()[0]
-
+def test_agent_loss_then_replacement_continues_the_job(expected: str, tmp_path: Path) -> None:
     run_dir, port = tmp_path / "job", spare_port()
     run_dir.mkdir()
     logs = {n: tmp_path / f"{n}.log" for n in "abc"}
@@ -121,3 +131,91 @@ def test_agent_loss_then_replacement_continues_the_job(tmp_path: Path) -> None:
         and e.get("group_world_size") == 2
     }
     assert len(rounds) >= 2  # the first round, and the one with the replacement
+
+
+def _store(port: int, log: Path) -> subprocess.Popen[bytes]:
+    """The rendezvous store's process, as the store pod runs it; returns once it serves."""
+    cmd = [sys.executable, "-m", "unbroken.cli", "k8s", "store", "--host", "127.0.0.1"]
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(
+            [*cmd, "--port", str(port)],
+            env=worker_env(),
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    deadline = time.monotonic() + 60
+    while "serving on port" not in log.read_text():
+        assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-2000:]
+        time.sleep(0.02)
+    return proc
+
+
+def _newest_step(run_dir: Path) -> int:
+    """The highest step any rank completed, in any round."""
+    newest = -1
+    for f in (run_dir / "events").glob("*.jsonl"):
+        for line in f.read_text().splitlines():
+            with contextlib.suppress(ValueError, KeyError):
+                rec = json.loads(line)
+                if rec["kind"] == "step":
+                    newest = max(newest, int(rec["step"]))
+    return newest
+
+
+def _wait_step(run_dir: Path, step: int, procs: dict[str, subprocess.Popen[bytes]]) -> None:
+    deadline = time.monotonic() + 120
+    while _newest_step(run_dir) < step:
+        assert time.monotonic() < deadline, f"no rank reached step {step}"
+        for name, p in procs.items():
+            assert p.poll() is None, f"{name} exited {p.returncode}"
+        time.sleep(0.02)
+
+
+def test_the_store_lost_and_replaced_then_a_node_lost_the_job_continues(
+    expected: str, tmp_path: Path
+) -> None:
+    """No single point of failure: the store process is killed while the job trains and a
+    new, empty one takes its port (what a Deployment does); training goes on meanwhile; then a
+    node is lost and replaced. The agents re-joined the new store with what it needs (torch's
+    rendezvous state, the round counter), so that fault is recovered like any other."""
+    run_dir, port = tmp_path / "job", spare_port()
+    run_dir.mkdir()
+    logs = {n: tmp_path / f"{n}.log" for n in ("store", "store2", "a", "b", "c")}
+    procs = {"store": _store(port, logs["store"])}
+    try:
+        procs["a"] = _agent(run_dir, port, host=False, log=logs["a"])
+        procs["b"] = _agent(run_dir, port, host=False, log=logs["b"])
+        _wait_step(run_dir, 5, procs)
+        procs.pop("store").kill()  # the store pod is lost: its state with it
+        time.sleep(0.3)
+        procs["store"] = _store(port, logs["store2"])  # its replacement: empty, same address
+        deadline = time.monotonic() + 60
+        while not all(REJOINED in logs[n].read_text() for n in "ab"):
+            assert time.monotonic() < deadline, logs["a"].read_text()[-3000:]
+            time.sleep(0.02)
+        _wait_step(run_dir, _newest_step(run_dir) + 5, procs)  # training went on
+        b_worker = _worker_at(run_dir, 1, 0)
+        procs.pop("b").kill()  # then a node is lost
+        assert b_worker is not None
+        procs["c"] = _agent(run_dir, port, host=False, log=logs["c"])
+        for name in ("a", "c"):
+            procs[name].wait(timeout=180)
+    finally:
+        for p in procs.values():
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+    out = {n: logs[n].read_text() for n in logs}
+    assert procs["a"].returncode == 0, out["a"][-3000:]
+    assert procs["c"].returncode == 0, out["c"][-3000:]
+    # The store's loss restarted nothing; the node's loss, once.
+    assert "all workers finished (1 restarts)" in out["a"], out["a"][-3000:]
+    assert HASH.findall(out["a"]) == [expected] and HASH.findall(out["c"]) == [expected]
+    joined = [
+        (e.get("round"), e.get("group_rank"))
+        for e in read_events(run_dir)
+        if e.rank == -1 and e.kind == "phase" and e.get("name") == "rendezvous"
+    ]
+    # Every round has its own id: the counter went on in the new store, it did not start over.
+    assert len(joined) >= 4 and len(set(joined)) == len(joined), joined

@@ -71,6 +71,9 @@ class NodeLoss:
     round), or None (no loss)."""
     at_step: int = 10
     """The node is lost once rank 0 completed this step."""
+    lose_store_at_step: int | None = None
+    """Lose the rendezvous store's pod first, once rank 0 completed this step (None: never);
+    the node is lost after every agent re-joined the store's replacement."""
     steps: int = 30
     """Training steps."""
     ckpt_every: int = 5
@@ -108,6 +111,13 @@ class NodeLoss:
             raise ValueError(f"lose must be index:N or group-rank:N, got {self.lose!r}")
         if not 0 <= self.at_step < self.steps:
             raise ValueError(f"at_step must be in [0, steps={self.steps}), got {self.at_step}")
+        if self.lose_store_at_step is not None and (
+            self.baseline or not 0 <= self.lose_store_at_step < self.at_step
+        ):
+            raise ValueError(
+                "lose_store_at_step must be in [0, at_step) and the job unbroken's (the baseline "
+                f"has no store pod), got {self.lose_store_at_step}"
+            )
         for name in ("keep_alive_s", "rdzv_poll_s", "membership_check_s", "timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
@@ -179,6 +189,8 @@ class NodeLossResult:
     """The emulated cluster's record (pods started with their addresses, ended, decisions)."""
     lost_ts: float | None = None
     lost_host: str | None = None
+    store_lost_ts: float | None = None
+    """When the store's pod was lost (``lose_store_at_step``)."""
     recovery_s: float | None = None
     """Node loss -> every rank completed a step again."""
     steps_lost: int | None = None
@@ -229,6 +241,16 @@ class LedgerTail:
             if r["rank"] == ev.LAUNCHER_RANK
             and r["kind"] == ev.PHASE
             and r.get("name") == "connect"
+        }
+
+    def rejoined(self) -> set[str]:
+        """Hosts whose agent re-joined the rendezvous store after losing it."""
+        return {
+            str(r.get("host"))
+            for r in self.records
+            if r["rank"] == ev.LAUNCHER_RANK
+            and r["kind"] == ev.RDZV_STORE
+            and r.get("state") == "rejoined"
         }
 
     def host_of_group_rank(self, group_rank: int) -> str | None:
@@ -308,8 +330,14 @@ def run_node_loss(run: NodeLoss, workdir: Path) -> NodeLossResult:
                     f"the job never reached step {run.at_step} (status {cluster.status()})"
                 )
             tail.poll()
-            # A spare must be waiting in the rendezvous before a node is lost.
+            store_at = run.lose_store_at_step
+            if store_at is not None and res.store_lost_ts is None and tail.step(0) >= store_at:
+                res.store_lost_ts = cluster.lose(cluster.pod(f"{run.name}-rdzv-0"))
+            # A spare must be waiting in the rendezvous before a node is lost; a lost store
+            # must have been re-joined by every agent.
             ready = run.baseline or len(tail.connected()) >= run.nodes + run.spares
+            if store_at is not None:
+                ready = ready and len(tail.rejoined()) >= run.nodes + run.spares
             if ready and tail.step(0) >= run.at_step:
                 res.lost_host = _target(run, cluster, tail)
                 res.lost_ts = cluster.lose(cluster.pod(res.lost_host))
@@ -364,6 +392,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--at-step", type=int, default=15, help="lose the node once rank 0 did this step"
     )
     p.add_argument(
+        "--lose-store-at-step",
+        type=int,
+        metavar="N",
+        help="first lose the rendezvous store's pod once rank 0 did step N (< --at-step); the "
+        "node is lost once every agent re-joined its replacement",
+    )
+    p.add_argument(
         "--lose",
         default="group-rank:0",
         help="which node: index:N (a pod index) or group-rank:N (a rank in the current round)",
@@ -415,6 +450,7 @@ def main(a: argparse.Namespace) -> int:
             nproc=a.nproc,
             steps=a.steps,
             at_step=a.at_step,
+            lose_store_at_step=None if name in ("clean", "baseline") else a.lose_store_at_step,
             spares=1 if name.startswith("spare") else 0,
             snapshot_every=0 if name in ("clean", "baseline") else a.snapshot_every,
             peer_replica=name != "spare-disk",

@@ -275,6 +275,7 @@ def _run(spec: largs.JobSpec, cfg: largs.lconfig.LauncherConfig, run_dir: Path, 
                 timeout_s=cfg.rdzv_timeout_s,
                 poll_s=cfg.rdzv_poll_s,
                 peers=peers,
+                ledger=ledger,
             )
         except errors.LauncherError as e:
             return _rendezvous_failed(ledger, error_path, run_id, e)

@@ -14,6 +14,7 @@ import contextlib
 import errno
 import ipaddress
 import logging
+import os
 import socket
 from datetime import timedelta
 from typing import Any
@@ -100,3 +101,47 @@ def listening_store(
     return dist.TCPStore(
         host, port, None, True, timeout=timeout, wait_for_workers=False, multi_tenant=multi_tenant
     )
+
+
+# --- a store client's connection that must not hang -----------------------------------------
+def open_fds() -> dict[str, str]:
+    """This process's open file descriptors: name under ``/proc/self/fd`` -> what it is."""
+    out = {}
+    with contextlib.suppress(OSError):
+        for name in os.listdir("/proc/self/fd"):
+            with contextlib.suppress(OSError):  # the listing's own, closed by now
+                out[name] = os.readlink(f"/proc/self/fd/{name}")
+    return out
+
+
+def fail_when_silent(opened_before: dict[str, str], port: int, timeout_s: float) -> int:
+    """Make the TCP connections to ``port`` opened since ``opened_before`` fail, rather than
+    hang, when their peer goes silent for ``timeout_s``; returns how many were found.
+
+    A store client whose server vanished without a reset (its pod or node lost with its link)
+    waits on a reply that never comes, and torch's ``TCPStore`` has calls that wait without a
+    timeout. Keep-alive probes plus ``TCP_USER_TIMEOUT`` let the kernel end such a connection:
+    every blocked call then raises, and the agent re-joins the store.
+    """
+    found = 0
+    for name, what in open_fds().items():
+        if opened_before.get(name) == what or not what.startswith("socket:"):
+            continue
+        try:
+            sock = socket.socket(fileno=os.dup(int(name)))  # a duplicate: closing it keeps theirs
+        except (OSError, ValueError):
+            continue
+        with sock:
+            try:
+                if sock.type != socket.SOCK_STREAM or sock.getpeername()[1] != port:
+                    continue
+                whole_s = max(1, int(timeout_s))
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, 1)
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, 1)
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, whole_s)
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, whole_s * 1000)
+                found += 1
+            except OSError:
+                continue
+    return found

@@ -25,6 +25,15 @@ Speed of a multi-node round. A lost node is dropped when its keep-alive is
 are accepted here, torch's own parser takes whole seconds only), and torch looks at the shared
 state once a second while nodes gather; ``poll_s`` (``--ft-rdzv-poll-s``) shortens that look.
 
+The store pod is no single point of failure. When the job store lives apart from every agent
+(the store pod of ``unbroken k8s render``) and its connection breaks, an agent re-joins the
+store at the same endpoint (the replacement pod behind the Service) and restores there what the
+store held from its own state: torch's rendezvous state (participants, wait list, keep-alives:
+the first agent back writes the copy it holds, the others adopt it) and the round counter (at
+least one past the newest round this agent saw). Running agents reconnect in the background and
+keep training meanwhile; a round waits for the store (up to the rendezvous timeout). Workers
+started after that reach the new store by the same address.
+
 A node that never took part in a round and finds the rendezvous closed (a hot spare, a late
 replacement: the job finished without it) gets ``JobOver``, not an error. Each agent names
 itself with a random incarnation id (torch's default, a per-process counter, would make a
@@ -36,16 +45,20 @@ from __future__ import annotations
 import json
 import logging
 import os
+import socket
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import timedelta
+from datetime import datetime, timedelta, timezone
 from typing import Any, Protocol
 
 from unbroken import env as uenv
 from unbroken.launcher import listen
 from unbroken.launcher.args import JobSpec
 from unbroken.launcher.errors import LauncherError
+from unbroken.ledger import NULL, Recorder
+from unbroken.ledger import events as ev
 
 logger = logging.getLogger(__name__)
 
@@ -146,6 +159,7 @@ class C10dRendezvous:
         timeout_s: float,
         poll_s: float = 1.0,
         peers: PeerPort | None = None,
+        ledger: Recorder = NULL,
     ) -> None:
         # torch's shared store is the stale-key source
         uenv.set_for_torch(uenv.TORCH_DISABLE_SHARE_RDZV_TCP_STORE, "1")
@@ -168,11 +182,16 @@ class C10dRendezvous:
         self.node_addr = node_addr
         self.timeout_s = timeout_s
         self.peers = peers
+        self.ledger = ledger
+        self._host = socket.gethostname()
         conf: dict[str, Any] = dict(spec.rdzv_conf)
         conf.setdefault("join_timeout", str(max(1, int(timeout_s))))
         timeouts = {k: _seconds(conf, f"{k}_timeout") for k in _RDZV_TIMEOUTS}
         keep_alive_s = _seconds(conf, "keep_alive_interval") or 5.0
         attempts = int(conf.pop("keep_alive_max_attempt", 3))
+        # Between rounds a store call that takes longer than a node's keep-alive window is a
+        # store gone silent (its pod lost with its link): give up on the call, re-join.
+        self._op_timeout = timedelta(seconds=min(30.0, max(2.0, keep_alive_s * attempts)))
         if spec.is_host is not None:
             conf["is_host"] = spec.is_host
         params = RendezvousParameters(
@@ -198,6 +217,8 @@ class C10dRendezvous:
             keep_alive_interval=timedelta(seconds=keep_alive_s),
             keep_alive_max_attempt=attempts,
         )
+        self._hosted = True  # until the job store is known to be another's (re-joinable)
+        self._read_timeout = timedelta(seconds=60)
         try:
             if str(conf.get("store_type", "tcp")).strip().lower() == "tcp":
                 store = self._job_store(dist, params)
@@ -220,6 +241,12 @@ class C10dRendezvous:
         self._rounds = 0
         self._joined = False
         self._members: set[Any] = set()
+        self._last_round: int | None = None
+        self._backend_type = C10dRendezvousBackend
+        self._reconnect: _Reconnect | None = None
+        self._lost_at: float | None = None
+        self.store_rejoins = 0
+        """How often the job store was lost and re-joined (its replacement)."""
 
     def _job_store(self, dist: Any, params: Any) -> Any:
         """The job store, as torch's c10d backend makes it (host it when this agent is the
@@ -229,25 +256,141 @@ class C10dRendezvous:
 
         host, port = _split(self.spec.rdzv_endpoint)
         timeout = timedelta(seconds=int(params.get_as_int("read_timeout", 60)))
+        self._read_timeout = timeout
         is_host = self.spec.is_host
         if is_host is None:
             is_host = _matches_machine_hostname(host)
+        self._hosted = False
         if is_host:
             bind = listen.bind_address(host, single_node=self.spec.max_nodes == 1)
             try:
-                return listen.listening_store(
+                store = listen.listening_store(
                     dist, host, port, bind=bind, timeout=timeout, multi_tenant=True
                 )
+                self._hosted = True
+                return store
             except (RuntimeError, ValueError, TimeoutError, OSError):
                 if self.spec.is_host is not None:
                     raise
                 # Guessed from the hostname: another agent on this machine may host it.
-        return dist.TCPStore(host, port, is_master=False, multi_tenant=True, timeout=timeout)
+        before = listen.open_fds()
+        store = dist.TCPStore(host, port, is_master=False, multi_tenant=True, timeout=timeout)
+        if not listen.fail_when_silent(before, port, self._op_timeout.total_seconds()):
+            logger.warning(
+                "found no connection to the rendezvous store to guard: if its pod is lost "
+                "silently, this agent may wait on it until the store timeout"
+            )
+        return store
+
+    # --- the job store lost and re-joined -------------------------------------------------
+    def _store_lost(self, e: BaseException) -> bool:
+        """``e`` says the job store's connection broke (not a timeout, not a closed round),
+        and the store is one this agent can re-join (it does not host it)."""
+        from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
+
+        if self._hosted:
+            return False
+        seen: BaseException | None = e
+        while seen is not None:
+            if isinstance(seen, (RendezvousConnectionError, self._dist.DistNetworkError)):
+                return True
+            seen = seen.__cause__ or seen.__context__
+        return False
+
+    def _reconnecting(self, e: BaseException) -> _Reconnect:
+        if self._lost_at is None:
+            self._lost_at = time.monotonic()
+            self.ledger.emit(
+                ev.RDZV_STORE, state="lost", endpoint=self.spec.rdzv_endpoint, host=self._host
+            )
+        if self._reconnect is None or self._reconnect.failed():
+            logger.warning(
+                "the rendezvous store at %s is lost (%s): re-joining it (or its replacement)",
+                self.spec.rdzv_endpoint,
+                str(e).splitlines()[0] if str(e) else type(e).__name__,
+            )
+            self._reconnect = _Reconnect(
+                self.spec.rdzv_endpoint,
+                self._dist,
+                self.timeout_s,
+                self._read_timeout,
+                self._op_timeout.total_seconds(),
+            )
+        return self._reconnect
+
+    def _rejoin(self, store: Any) -> None:
+        """Use ``store`` (a new connection to the endpoint) as the job store and restore in it
+        what this agent knows: torch's rendezvous state and the round counter."""
+        backend = self._backend_type(store, self.spec.rdzv_id)
+        handler: Any = self.handler
+        with handler._heartbeat_lock:
+            holder = handler._state_holder
+            holder._backend = backend
+            holder._token = None  # the store is new: expect no state, write ours
+            # No node could send a keep-alive while the store was away: count every node of
+            # our copy alive from now (a dead one expires after the usual keep-alives).
+            now = datetime.now(timezone.utc)
+            for node in holder.state.last_heartbeats:
+                holder.state.last_heartbeats[node] = now
+            holder.mark_dirty()
+            holder.sync()  # the first agent back writes its copy; the others adopt that one
+            handler._store = store
+        self.job_store = store
+        if self._last_round is not None:
+            key, want = f"unbroken/{self.spec.rdzv_id}/round", self._last_round + 1
+            current = int(store.add(key, 0))
+            while current < want:
+                current = int(store.compare_set(key, str(current), str(want)))
+        self._reconnect = None
+        self.store_rejoins += 1
+        outage_s = time.monotonic() - (self._lost_at or time.monotonic())
+        self._lost_at = None
+        self.ledger.emit(
+            ev.RDZV_STORE,
+            state="rejoined",
+            endpoint=self.spec.rdzv_endpoint,
+            host=self._host,
+            outage_s=round(outage_s, 3),
+            participants=len(holder.state.participants),
+        )
+        logger.warning(
+            "re-joined the rendezvous store at %s (round counter past %s, %d participant(s), "
+            "%d waiting)",
+            self.spec.rdzv_endpoint,
+            self._last_round,
+            len(holder.state.participants),
+            len(holder.state.wait_list) + len(holder.state.redundancy_list),
+        )
+
+    def _wait_rejoin(self, e: BaseException) -> None:
+        """Block until the job store is re-joined (up to the rendezvous timeout); raise ``e``'s
+        error when it is not."""
+        store = self._reconnecting(e).wait(self.timeout_s)
+        if store is None:
+            raise LauncherError(
+                f"lost the rendezvous store at {self.spec.rdzv_endpoint} and could not reach it "
+                f"again within {self.timeout_s:.0f} s: check that its pod (or host agent) is up"
+            ) from e
+        self._rejoin(store)
 
     def next_round(self) -> RoundInfo:
-        """Join the next round (blocks until it completes or times out)."""
+        """Join the next round (blocks until it completes or times out); a lost job store is
+        re-joined first (its replacement, once it is up)."""
         self._worker_store = None  # the previous round's store dies with its workers
         self._rounds += 1
+        if self._reconnect is not None:
+            self._wait_rejoin(RuntimeError("the store was lost while training"))
+        try:
+            info = self._next_round()
+        except Exception as e:
+            if not self._store_lost(e):
+                raise
+            self._wait_rejoin(e)
+            info = self._next_round()
+        self._last_round = info.round
+        return info
+
+    def _next_round(self) -> RoundInfo:
         if self.spec.max_nodes == 1 and self._rounds > 1:
             return self._alone()
         try:
@@ -278,6 +421,7 @@ class C10dRendezvous:
         ]
         if self.peers is not None:
             self.peers.begin_round(int(published["round"]))
+        self.job_store.set_timeout(self._op_timeout)
         return RoundInfo(
             round=int(published["round"]),
             group_rank=group_rank,
@@ -335,6 +479,28 @@ class C10dRendezvous:
         wait list and the redundancy list); a node re-joining sits on the wait list instead.
         Store errors count as "nothing changed": a dead store host shows up as worker failures.
         """
+        if self._reconnect is not None:  # the store is lost: re-join it once it answers
+            store = self._reconnect.poll()
+            if store is None:
+                if self._reconnect.failed():  # still gone: keep trying while training goes on
+                    self._reconnect = _Reconnect(
+                        self.spec.rdzv_endpoint,
+                        self._dist,
+                        self.timeout_s,
+                        self._read_timeout,
+                        self._op_timeout.total_seconds(),
+                    )
+                return 0, []
+            try:
+                self._rejoin(store)
+            except Exception as e:
+                if not self._store_lost(e):
+                    raise
+                self._reconnect = None
+                self._reconnecting(e)  # lost again before it was restored: once more
+                return 0, []
+        if self.handler._heartbeat_lock.locked():  # a keep-alive is under way: look next time
+            return 0, []
         try:
             waiting = int(self.handler.num_nodes_waiting())  # syncs the state
             state = self._state()
@@ -343,7 +509,10 @@ class C10dRendezvous:
             known = set(state.participants) | set(state.wait_list) | set(state.redundancy_list)
             return waiting, sorted(str(n) for n in self._members - known)
         except Exception as e:
-            logger.warning("could not read the rendezvous state: %s", e)
+            if self._store_lost(e):
+                self._reconnecting(e)
+            else:
+                logger.warning("could not read the rendezvous state: %s", e)
             return 0, []
 
     def exit_barrier(self, info: RoundInfo) -> None:
@@ -353,6 +522,8 @@ class C10dRendezvous:
         key = f"unbroken/{self.spec.rdzv_id}/exit/{info.round}"
         deadline = time.monotonic() + self.timeout_s
         try:
+            if self._reconnect is not None:
+                self._wait_rejoin(RuntimeError("the store was lost while training"))
             done = int(self.job_store.add(key, 1))
             while done < info.group_world_size and time.monotonic() < deadline:
                 time.sleep(0.05)
@@ -378,3 +549,60 @@ class C10dRendezvous:
         if self._undo_polls is not None:
             self._undo_polls()
             self._undo_polls = None
+
+
+_CONNECT_S = 0.25
+
+
+class _Reconnect:
+    """Connect to the job store's endpoint in a thread, retrying until it answers or
+    ``timeout_s`` passed: an agent keeps training while the store's pod is replaced."""
+
+    def __init__(
+        self, endpoint: str, dist: Any, timeout_s: float, read: timedelta, silent_s: float
+    ) -> None:
+        self._host, self._port = _split(endpoint)
+        self._silent_s = silent_s
+        self._dist = dist
+        self._timeout = read
+        self._deadline = time.monotonic() + timeout_s
+        self._done = threading.Event()
+        self._store: Any = None
+        threading.Thread(target=self._run, name="unbroken-rdzv-reconnect", daemon=True).start()
+
+    def _run(self) -> None:
+        try:
+            while time.monotonic() < self._deadline:
+                try:
+                    # A short connect timeout: torch backs off between its own attempts, we
+                    # retry at once (a replacement pod answers the moment it listens).
+                    before = listen.open_fds()
+                    store = self._dist.TCPStore(
+                        self._host,
+                        self._port,
+                        is_master=False,
+                        multi_tenant=True,
+                        timeout=timedelta(seconds=_CONNECT_S),
+                    )
+                    listen.fail_when_silent(before, self._port, self._silent_s)
+                    store.set_timeout(self._timeout)
+                    self._store = store
+                    return
+                except Exception as e:  # noqa: BLE001 - not up yet: try again
+                    logger.debug("rendezvous store not reachable yet: %s", e)
+                    time.sleep(0.1)
+        finally:
+            self._done.set()
+
+    def failed(self) -> bool:
+        """Gave up: no connection within the timeout."""
+        return self._done.is_set() and self._store is None
+
+    def poll(self) -> Any:
+        """The new connection once it is made, else ``None``."""
+        return self._store if self._done.is_set() else None
+
+    def wait(self, timeout_s: float) -> Any:
+        """The new connection; ``None`` when none was made in time."""
+        self._done.wait(timeout_s)
+        return self._store

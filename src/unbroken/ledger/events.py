@@ -48,6 +48,9 @@ FINAL_STATE = "final_state"
 # A self-tuned setting took a (new) value: a calibrated hang timeout or the adaptive durable
 # checkpoint interval. data: name, value, previous (None at first), layer, basis figures.
 TUNED = "tuned"
+# The job store (the rendezvous store pod) was lost, or re-joined; an agent's record, no goodput
+# figure reads it. data: state ("lost" | "rejoined"), endpoint, outage_s (rejoined only).
+RDZV_STORE = "rdzv_store"
 # An alert raised by a watcher over the ledger (the dashboard); no goodput figure reads it.
 # data: name, severity ("info" | "warning" | "page"), key (dedup), summary, labels, value
 ALERT = "alert"
@@ -71,6 +74,7 @@ KINDS = frozenset(
         ESCALATE,
         JOB_END,
         TUNED,
+        RDZV_STORE,
         ALERT,
         FINAL_STATE,
     }
