@@ -257,8 +257,20 @@ def test_worker_killed_then_restarted(tmp_path: Path) -> None:
         < kinds.index("restart_end")
     )
     assert ledger.of("restart_end")[0]["attempt"] == 1
-    assert workers.log == [("start", 0), ("stop", 1.5), ("start", 1)]
+    # Adopted workers (they heartbeat) stopped for a restart get no SIGTERM grace: they would
+    # spend it on a preemption save that a restart does not need.
+    assert workers.log == [("start", 0), ("stop", 0.0), ("start", 1)]
     assert agent.machine.restarts == 1
+
+
+def test_a_script_that_never_heartbeats_keeps_its_sigterm_grace_on_a_restart(
+    tmp_path: Path,
+) -> None:
+    """Not adopted: it may handle SIGTERM itself, as under torchrun."""
+    script = [[{"exits": [(1, None, signal.SIGKILL)]}], [ok_exits()]]
+    agent, _, workers, _ = make(tmp_path, script, rounds=[info(0), info(1)])
+    assert agent.run() == errors.EXIT_OK
+    assert workers.log == [("start", 0), ("stop", 1.5), ("start", 1)]
 
 
 def test_hung_workers_get_sigkill_before_the_group_is_stopped(tmp_path: Path) -> None:

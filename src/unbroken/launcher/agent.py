@@ -329,10 +329,25 @@ class Agent:
         )
         self._emit(ev.RESTART_BEGIN, layer="launcher", cause=root.cause, round=self.round)
 
+    def _stop_grace(self) -> float:
+        """How long the workers get between SIGTERM and SIGKILL.
+
+        A preemption (this agent was signalled) or a script that never sent a heartbeat (not
+        adopted: it may have a SIGTERM handler of its own) gets ``stop_grace_s``. Adopted
+        workers stopped for a restart get none: inside ``unbroken.run`` a SIGTERM asks for a
+        graceful preemption, a save every rank must agree on, which a restart does not need
+        (the newest snapshots live in this agent and on the peers) and which cannot complete
+        while a peer is gone; waiting for it only delays the next round.
+        """
+        adopted = any(w.first is not None for w in self.tracker.workers.values())
+        if adopted and self.machine.stop_reason is not StopReason.SIGNAL:
+            return 0.0
+        return self.cfg.stop_grace_s
+
     def _stop(self) -> None:
         if self.machine.stop_reason is not None and not self._stop_begin:
             self._stop_begin = self.wall()
-        exits = self.workers.stop(self.cfg.stop_grace_s)
+        exits = self.workers.stop(self._stop_grace())
         self._record_exits(exits)
         ours = (signal.SIGTERM, signal.SIGKILL)
         self.machine.note(

@@ -366,16 +366,20 @@ class LocalWorkers:
             self._deferred.extend(got.signals)  # for the agent, once the stop is over
 
     def stop(self, grace_s: float) -> list[WorkerExit]:
-        """SIGTERM (+SIGCONT), grace, SIGKILL; returns the exits reaped meanwhile."""
+        """SIGTERM (+SIGCONT), grace, SIGKILL (at once with no grace); returns the exits
+        reaped meanwhile."""
         exits: list[WorkerExit] = []
         live = self.running()
         for sig in (signal.SIGTERM, signal.SIGCONT):
             self.kill(live, sig)
         self._wait_all(time.monotonic() + grace_s, exits)
         if self.running():
-            logger.warning(
-                "workers %s ignored SIGTERM for %.1f s; sending SIGKILL", self.running(), grace_s
-            )
+            if grace_s > 0:
+                logger.warning(
+                    "workers %s ignored SIGTERM for %.1f s; sending SIGKILL",
+                    self.running(),
+                    grace_s,
+                )
             self.kill(self.running(), signal.SIGKILL)
             self._wait_all(time.monotonic() + REAP_AFTER_KILL_S, exits)
         for h in self.handles.values():  # whatever the workers left in their groups
