@@ -309,14 +309,17 @@ class C10dRendezvous:
                 self.spec.rdzv_endpoint,
                 str(e).splitlines()[0] if str(e) else type(e).__name__,
             )
-            self._reconnect = _Reconnect(
-                self.spec.rdzv_endpoint,
-                self._dist,
-                self.timeout_s,
-                self._read_timeout,
-                self._op_timeout.total_seconds(),
-            )
+            self._reconnect = self._new_reconnect()
         return self._reconnect
+
+    def _new_reconnect(self) -> _Reconnect:
+        return _Reconnect(
+            self.spec.rdzv_endpoint,
+            self._dist,
+            self.timeout_s,
+            self._read_timeout,
+            self._op_timeout.total_seconds(),
+        )
 
     def _rejoin(self, store: Any) -> None:
         """Use ``store`` (a new connection to the endpoint) as the job store and restore in it
@@ -483,13 +486,7 @@ class C10dRendezvous:
             store = self._reconnect.poll()
             if store is None:
                 if self._reconnect.failed():  # still gone: keep trying while training goes on
-                    self._reconnect = _Reconnect(
-                        self.spec.rdzv_endpoint,
-                        self._dist,
-                        self.timeout_s,
-                        self._read_timeout,
-                        self._op_timeout.total_seconds(),
-                    )
+                    self._reconnect = self._new_reconnect()
                 return 0, []
             try:
                 self._rejoin(store)
