@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from unbroken.ledger import Event, Ledger, read_events, read_run
+from unbroken.ledger import Event, Ledger, read_events, read_run, writer
 from unbroken.ledger import events as ev
 
 
@@ -46,6 +46,47 @@ def test_step_intervals_tile_from_the_boundary(tmp_path: Path) -> None:
     assert phase.get("name") == "model_build" and phase.dur_s >= 0.01
     assert s0.begin == pytest.approx(phase.ts, abs=1e-6)
     assert s1.begin == pytest.approx(s0.ts, abs=1e-6)
+
+
+def test_a_short_phase_is_written_with_the_next_step_and_a_long_one_at_once(
+    tmp_path: Path,
+) -> None:
+    """One writer wake-up a step: the data phase's record waits for the step's (or a flush);
+    a phase longer than LAZY_PHASE_S wakes the writer itself."""
+    led = Ledger(tmp_path, run="r", rank=0)
+    try:
+        with led.phase("data"):
+            pass
+        time.sleep(0.2)  # a woken writer writes in microseconds
+        assert read_events(tmp_path) == []
+        led.step(0)
+        assert led.flush(timeout_s=5)
+        assert [(e.kind, e.get("name")) for e in read_events(tmp_path)] == [
+            ("phase", "data"),
+            ("step", None),
+        ]
+        with led.phase("validation"):
+            pass
+        assert led.flush(timeout_s=5)  # a flush takes a waiting phase along
+        assert read_events(tmp_path)[-1].get("name") == "validation"
+        with led.phase("validation"):
+            time.sleep(writer.LAZY_PHASE_S)
+        deadline = time.monotonic() + 5
+        while (
+            read_events(tmp_path)[-1].get("name") != "validation" or len(read_events(tmp_path)) < 4
+        ):
+            assert time.monotonic() < deadline, "a long phase waited for another record"
+            time.sleep(0.01)
+    finally:
+        led.close()
+
+
+def test_close_writes_a_waiting_phase(tmp_path: Path) -> None:
+    led = Ledger(tmp_path, run="r", rank=0)
+    with led.phase("data"):
+        pass
+    led.close()
+    assert [e.get("name") for e in read_events(tmp_path)] == ["data"]
 
 
 def test_bad_inputs_are_rejected(tmp_path: Path) -> None:
