@@ -61,10 +61,15 @@ class _Client:
         self.sock.setblocking(False)
         self.last_sent = float("-inf")
         self.last_step: int | None = None
+        self.newest_step: int | None = None
         self.last_committed: int | None = None
         self.finishing = False
 
     def send(self, step: int | None, committed_step: int | None, finishing: bool = False) -> None:
+        if step is None:  # "alive": tell the newest step, which a rate-limited call may not have
+            step = self.newest_step
+        else:
+            self.newest_step = step
         now = time.monotonic()
         since = now - self.last_sent
         urgent = (

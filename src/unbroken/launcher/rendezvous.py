@@ -46,15 +46,13 @@ import json
 import logging
 import os
 import socket
-import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import datetime, timedelta, timezone
+from datetime import timedelta
 from typing import Any, Protocol
 
 from unbroken import env as uenv
-from unbroken.launcher import listen
+from unbroken.launcher import listen, rdzvconf, storelink
 from unbroken.launcher.args import JobSpec
 from unbroken.launcher.errors import LauncherError
 from unbroken.ledger import NULL, Recorder
@@ -109,45 +107,6 @@ class JobOver(LauncherError):
     """The rendezvous is closed: the job finished without this node (a spare, a late pod)."""
 
 
-_RDZV_TIMEOUTS = ("join", "last_call", "close", "heartbeat")
-
-
-def _seconds(conf: dict[str, Any], key: str) -> float | None:
-    raw = conf.pop(key, None)
-    if raw is None:
-        return None
-    try:
-        value = float(raw)
-    except (TypeError, ValueError):
-        raise LauncherError(f"--rdzv-conf {key}={raw!r} must be a number of seconds") from None
-    if not value > 0:
-        raise LauncherError(f"--rdzv-conf {key}={raw!r} must be > 0")
-    return value
-
-
-def _fast_polls(poll_s: float) -> Callable[[], None]:
-    """Shorten torch's hard-coded 1 s wait between two looks at the rendezvous state; returns
-    the function that undoes it.
-
-    ``dynamic_rendezvous._delay(seconds=1)`` is the only call with that argument (the start
-    skew passes a range); the agent runs one handler, so the change is scoped to it.
-    """
-    from torch.distributed.elastic.rendezvous import dynamic_rendezvous as dr
-
-    original = getattr(dr._delay, "__wrapped__", dr._delay)
-
-    def delay(seconds: float | tuple[float, float]) -> None:
-        original(seconds=poll_s if seconds == 1 else seconds)
-
-    delay.__wrapped__ = original  # type: ignore[attr-defined]
-    dr._delay = delay
-
-    def undo() -> None:
-        dr._delay = original
-
-    return undo
-
-
 class C10dRendezvous:
     """torch's c10d rendezvous plus the round id, the worker store and the exit barrier."""
 
@@ -186,8 +145,8 @@ class C10dRendezvous:
         self._host = socket.gethostname()
         conf: dict[str, Any] = dict(spec.rdzv_conf)
         conf.setdefault("join_timeout", str(max(1, int(timeout_s))))
-        timeouts = {k: _seconds(conf, f"{k}_timeout") for k in _RDZV_TIMEOUTS}
-        keep_alive_s = _seconds(conf, "keep_alive_interval") or 5.0
+        timeouts = {k: rdzvconf.seconds(conf, f"{k}_timeout") for k in rdzvconf.TIMEOUTS}
+        keep_alive_s = rdzvconf.seconds(conf, "keep_alive_interval") or 5.0
         attempts = int(conf.pop("keep_alive_max_attempt", 3))
         # Between rounds a store call that takes longer than a node's keep-alive window is a
         # store gone silent (its pod lost with its link): give up on the call, re-join.
@@ -233,7 +192,7 @@ class C10dRendezvous:
                 f"cannot reach the c10d rendezvous at {spec.rdzv_endpoint}: {e}; check "
                 "--rdzv-endpoint and that the host agent (or the store pod) is up"
             ) from e
-        self._undo_polls = _fast_polls(poll_s) if poll_s != 1.0 else None
+        self._undo_polls = rdzvconf.fast_polls(poll_s) if poll_s != 1.0 else None
         self.job_store: Any = store  # a TCPStore (mypy sees the Store base)
         host, _ = _split(spec.rdzv_endpoint)
         self.store_addr = f"{host}:{getattr(store, 'port', 0)}"
@@ -242,8 +201,7 @@ class C10dRendezvous:
         self._joined = False
         self._members: set[Any] = set()
         self._last_round: int | None = None
-        self._backend_type = C10dRendezvousBackend
-        self._reconnect: _Reconnect | None = None
+        self._reconnect: storelink.Reconnect | None = None
         self._lost_at: float | None = None
         self.store_rejoins = 0
         """How often the job store was lost and re-joined (its replacement)."""
@@ -286,18 +244,9 @@ class C10dRendezvous:
     def _store_lost(self, e: BaseException) -> bool:
         """``e`` says the job store's connection broke (not a timeout, not a closed round),
         and the store is one this agent can re-join (it does not host it)."""
-        from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
+        return not self._hosted and storelink.connection_broke(e, self._dist)
 
-        if self._hosted:
-            return False
-        seen: BaseException | None = e
-        while seen is not None:
-            if isinstance(seen, (RendezvousConnectionError, self._dist.DistNetworkError)):
-                return True
-            seen = seen.__cause__ or seen.__context__
-        return False
-
-    def _reconnecting(self, e: BaseException) -> _Reconnect:
+    def _reconnecting(self, e: BaseException) -> storelink.Reconnect:
         if self._lost_at is None:
             self._lost_at = time.monotonic()
             self.ledger.emit(
@@ -312,9 +261,9 @@ class C10dRendezvous:
             self._reconnect = self._new_reconnect()
         return self._reconnect
 
-    def _new_reconnect(self) -> _Reconnect:
-        return _Reconnect(
-            self.spec.rdzv_endpoint,
+    def _new_reconnect(self) -> storelink.Reconnect:
+        return storelink.Reconnect(
+            *_split(self.spec.rdzv_endpoint),
             self._dist,
             self.timeout_s,
             self._read_timeout,
@@ -324,26 +273,10 @@ class C10dRendezvous:
     def _rejoin(self, store: Any) -> None:
         """Use ``store`` (a new connection to the endpoint) as the job store and restore in it
         what this agent knows: torch's rendezvous state and the round counter."""
-        backend = self._backend_type(store, self.spec.rdzv_id)
-        handler: Any = self.handler
-        with handler._heartbeat_lock:
-            holder = handler._state_holder
-            holder._backend = backend
-            holder._token = None  # the store is new: expect no state, write ours
-            # No node could send a keep-alive while the store was away: count every node of
-            # our copy alive from now (a dead one expires after the usual keep-alives).
-            now = datetime.now(timezone.utc)
-            for node in holder.state.last_heartbeats:
-                holder.state.last_heartbeats[node] = now
-            holder.mark_dirty()
-            holder.sync()  # the first agent back writes its copy; the others adopt that one
-            handler._store = store
+        participants, waiting = storelink.restore(
+            self.handler, store, self.spec.rdzv_id, self._last_round
+        )
         self.job_store = store
-        if self._last_round is not None:
-            key, want = f"unbroken/{self.spec.rdzv_id}/round", self._last_round + 1
-            current = int(store.add(key, 0))
-            while current < want:
-                current = int(store.compare_set(key, str(current), str(want)))
         self._reconnect = None
         self.store_rejoins += 1
         outage_s = time.monotonic() - (self._lost_at or time.monotonic())
@@ -354,15 +287,15 @@ class C10dRendezvous:
             endpoint=self.spec.rdzv_endpoint,
             host=self._host,
             outage_s=round(outage_s, 3),
-            participants=len(holder.state.participants),
+            participants=participants,
         )
         logger.warning(
             "re-joined the rendezvous store at %s (round counter past %s, %d participant(s), "
             "%d waiting)",
             self.spec.rdzv_endpoint,
             self._last_round,
-            len(holder.state.participants),
-            len(holder.state.wait_list) + len(holder.state.redundancy_list),
+            participants,
+            waiting,
         )
 
     def _wait_rejoin(self, e: BaseException) -> None:
@@ -546,60 +479,3 @@ class C10dRendezvous:
         if self._undo_polls is not None:
             self._undo_polls()
             self._undo_polls = None
-
-
-_CONNECT_S = 0.25
-
-
-class _Reconnect:
-    """Connect to the job store's endpoint in a thread, retrying until it answers or
-    ``timeout_s`` passed: an agent keeps training while the store's pod is replaced."""
-
-    def __init__(
-        self, endpoint: str, dist: Any, timeout_s: float, read: timedelta, silent_s: float
-    ) -> None:
-        self._host, self._port = _split(endpoint)
-        self._silent_s = silent_s
-        self._dist = dist
-        self._timeout = read
-        self._deadline = time.monotonic() + timeout_s
-        self._done = threading.Event()
-        self._store: Any = None
-        threading.Thread(target=self._run, name="unbroken-rdzv-reconnect", daemon=True).start()
-
-    def _run(self) -> None:
-        try:
-            while time.monotonic() < self._deadline:
-                try:
-                    # A short connect timeout: torch backs off between its own attempts, we
-                    # retry at once (a replacement pod answers the moment it listens).
-                    before = listen.open_fds()
-                    store = self._dist.TCPStore(
-                        self._host,
-                        self._port,
-                        is_master=False,
-                        multi_tenant=True,
-                        timeout=timedelta(seconds=_CONNECT_S),
-                    )
-                    listen.fail_when_silent(before, self._port, self._silent_s)
-                    store.set_timeout(self._timeout)
-                    self._store = store
-                    return
-                except Exception as e:  # noqa: BLE001 - not up yet: try again
-                    logger.debug("rendezvous store not reachable yet: %s", e)
-                    time.sleep(0.1)
-        finally:
-            self._done.set()
-
-    def failed(self) -> bool:
-        """Gave up: no connection within the timeout."""
-        return self._done.is_set() and self._store is None
-
-    def poll(self) -> Any:
-        """The new connection once it is made, else ``None``."""
-        return self._store if self._done.is_set() else None
-
-    def wait(self, timeout_s: float) -> Any:
-        """The new connection; ``None`` when none was made in time."""
-        self._done.wait(timeout_s)
-        return self._store

@@ -1,0 +1,82 @@
+"""What the node-loss benchmark reads of a running job: its ledger, tailed (new complete lines
+only), asked for the step rank 0 reached, the agents that reached or re-joined the rendezvous
+store, and the host of a group rank.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from unbroken.ledger import events as ev
+
+
+class LedgerTail:
+    """Reads a run's ledger files incrementally (new complete lines only)."""
+
+    def __init__(self, run_dir: Path) -> None:
+        self.dir = Path(run_dir) / "events"
+        self._pos: dict[Path, int] = {}
+        self.records: list[dict[str, Any]] = []
+
+    def poll(self) -> list[dict[str, Any]]:
+        new: list[dict[str, Any]] = []
+        for path in sorted(self.dir.glob("*.jsonl")) if self.dir.is_dir() else []:
+            pos = self._pos.get(path, 0)
+            with open(path, "rb") as f:
+                f.seek(pos)
+                data = f.read()
+            end = data.rfind(b"\n") + 1
+            self._pos[path] = pos + end
+            for line in data[:end].splitlines():
+                try:
+                    new.append(json.loads(line))
+                except ValueError:
+                    continue
+        self.records += new
+        return new
+
+    def step(self, rank: int = 0) -> int:
+        """The highest step ``rank`` completed so far (-1: none)."""
+        return max(
+            (r["step"] for r in self.records if r["kind"] == "step" and r["rank"] == rank),
+            default=-1,
+        )
+
+    def connected(self) -> set[str]:
+        """Hosts whose agent has reached the rendezvous store (can join, or wait as a spare)."""
+        return {
+            str(r.get("host"))
+            for r in self.records
+            if r["rank"] == ev.LAUNCHER_RANK
+            and r["kind"] == ev.PHASE
+            and r.get("name") == "connect"
+        }
+
+    def rejoined(self) -> set[str]:
+        """Hosts whose agent re-joined the rendezvous store after losing it."""
+        return {
+            str(r.get("host"))
+            for r in self.records
+            if r["rank"] == ev.LAUNCHER_RANK
+            and r["kind"] == ev.RDZV_STORE
+            and r.get("state") == "rejoined"
+        }
+
+    def host_of_group_rank(self, group_rank: int) -> str | None:
+        """The host of ``group_rank`` in the latest round."""
+        rounds = [
+            r
+            for r in self.records
+            if r["rank"] == ev.LAUNCHER_RANK
+            and r["kind"] == ev.PHASE
+            and r.get("name") == "rendezvous"
+        ]
+        if not rounds:
+            return None
+        last = max(r["round"] for r in rounds)
+        return next(
+            (r.get("host") for r in rounds if r["round"] == last and r["group_rank"] == group_rank),
+            None,
+        )
