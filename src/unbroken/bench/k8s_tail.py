@@ -44,25 +44,21 @@ class LedgerTail:
             default=-1,
         )
 
-    def connected(self) -> set[str]:
-        """Hosts whose agent has reached the rendezvous store (can join, or wait as a spare)."""
+    def _agent_hosts(self, kind: str, field: str, value: str) -> set[str]:
+        """Hosts of the agents' records of ``kind`` whose ``field`` is ``value``."""
         return {
             str(r.get("host"))
             for r in self.records
-            if r["rank"] == ev.LAUNCHER_RANK
-            and r["kind"] == ev.PHASE
-            and r.get("name") == "connect"
+            if r["rank"] == ev.LAUNCHER_RANK and r["kind"] == kind and r.get(field) == value
         }
+
+    def connected(self) -> set[str]:
+        """Hosts whose agent has reached the rendezvous store (can join, or wait as a spare)."""
+        return self._agent_hosts(ev.PHASE, "name", "connect")
 
     def rejoined(self) -> set[str]:
         """Hosts whose agent re-joined the rendezvous store after losing it."""
-        return {
-            str(r.get("host"))
-            for r in self.records
-            if r["rank"] == ev.LAUNCHER_RANK
-            and r["kind"] == ev.RDZV_STORE
-            and r.get("state") == "rejoined"
-        }
+        return self._agent_hosts(ev.RDZV_STORE, "state", "rejoined")
 
     def host_of_group_rank(self, group_rank: int) -> str | None:
         """The host of ``group_rank`` in the latest round."""

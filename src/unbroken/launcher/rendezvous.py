@@ -203,8 +203,6 @@ class C10dRendezvous:
         self._last_round: int | None = None
         self._reconnect: storelink.Reconnect | None = None
         self._lost_at: float | None = None
-        self.store_rejoins = 0
-        """How often the job store was lost and re-joined (its replacement)."""
 
     def _job_store(self, dist: Any, params: Any) -> Any:
         """The job store, as torch's c10d backend makes it (host it when this agent is the
@@ -278,7 +276,6 @@ class C10dRendezvous:
         )
         self.job_store = store
         self._reconnect = None
-        self.store_rejoins += 1
         outage_s = time.monotonic() - (self._lost_at or time.monotonic())
         self._lost_at = None
         self.ledger.emit(
