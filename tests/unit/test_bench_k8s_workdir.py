@@ -68,3 +68,14 @@ def test_main_refuses_a_foreign_out_before_running(
     assert "error:" in err and "clean" in err and "--out" in err
     assert (tmp_path / "clean" / "mine.txt").exists()
     assert not (tmp_path / "clean" / "volume").exists()  # nothing ran
+
+
+def test_main_refuses_a_store_loss_after_the_node_loss_before_running(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    p = argparse.ArgumentParser()
+    k8s.add_arguments(p)
+    argv = ["--out", str(tmp_path), "--at-step", "15", "--lose-store-at-step", "20"]
+    assert k8s.main(p.parse_args(argv)) == 2
+    assert "--lose-store-at-step" in capsys.readouterr().err
+    assert not (tmp_path / "clean").exists()  # nothing ran

@@ -370,6 +370,10 @@ def main(a: argparse.Namespace) -> int:
     rows = []
     clean_hash = None
     configs = ["clean", *[c for c in a.configs if c != "clean"]]
+    store_at = a.lose_store_at_step
+    if store_at is not None and not 0 <= store_at < a.at_step:  # before a run, not after one
+        print(f"error: --lose-store-at-step must be in [0, --at-step={a.at_step})", file=sys.stderr)
+        return 2
     for name in configs:  # before the first run: a foreign directory fails at once
         why = not_ours(out / name)
         if why is not None:
