@@ -65,3 +65,34 @@ def test_a_node_that_never_joined_finds_the_job_over(store_port: int) -> None:
 def test_bad_keep_alive_is_refused(store_port: int) -> None:
     with pytest.raises(LauncherError, match="keep_alive_interval='x' must be a number"):
         C10dRendezvous(_spec(store_port, {"keep_alive_interval": "x"}), node_addr="a", timeout_s=5)
+
+
+def test_rendezvous_events_are_named_without_inspect_stack(
+    store_port: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """torch names every rendezvous event with two ``inspect.stack()`` calls (tens of ms of
+    CPU each, paid on every compare-and-set of a round); the agent's rendezvous names them by
+    walking frames: the same names, and ``inspect.stack`` is never called."""
+    import inspect
+
+    from torch.distributed.elastic.rendezvous import dynamic_rendezvous as dr
+
+    rdzv = C10dRendezvous(_spec(store_port, {}), node_addr="ft-0.ft", timeout_s=30)
+    names: list[str] = []
+    monkeypatch.setattr(
+        dr, "construct_and_record_rdzv_event", lambda **kw: names.append(kw["name"])
+    )
+
+    def forbidden(*a: object, **kw: object) -> None:
+        raise AssertionError("inspect.stack() called")
+
+    monkeypatch.setattr(inspect, "stack", forbidden)
+    rdzv.handler._keep_alive()  # records an event, as every keep-alive does
+    assert names == ["DynamicRendezvousHandler._keep_alive"]
+    monkeypatch.undo()
+    assert (
+        dr.get_method_name.__wrapped__(depth=1)
+        == "test_rendezvous_events_are_named_without_inspect_stack"
+    )
+    assert dr.get_method_name(depth=1) == "test_rendezvous_events_are_named_without_inspect_stack"
+    rdzv.close()

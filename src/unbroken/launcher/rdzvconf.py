@@ -1,10 +1,12 @@
-"""What ``--rdzv-conf`` says in seconds, and torch's rendezvous polled faster.
+"""What ``--rdzv-conf`` says in seconds, torch's rendezvous polled faster, and its event names
+found without ``inspect.stack()``.
 
 Imports of ours: ``unbroken.launcher.errors``.
 """
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -47,3 +49,36 @@ def fast_polls(poll_s: float) -> Callable[[], None]:
         dr._delay = original
 
     return undo
+
+
+def _method_name(depth: int = 2) -> str:
+    """The name of the function ``depth`` frames up (0: this one), as torch's
+    ``get_method_name`` returns it from ``inspect.stack()[depth].function``."""
+    try:
+        return sys._getframe(depth + 1).f_code.co_name  # +1: the wrapper torch calls
+    except ValueError:
+        return "no_method_name"
+
+
+def cheap_event_names() -> None:
+    """Name torch's rendezvous events by walking frames instead of ``inspect.stack()``.
+
+    Every step of torch's rendezvous (each compare-and-set, each keep-alive) records an event
+    named after the calling method, and computes that name with ``inspect.stack()`` twice
+    *before* it checks whether any handler takes events (none does by default):
+    ``inspect.stack()`` reads the source context of every frame and looks up each frame's
+    module among the thousands torch imports, tens of milliseconds of CPU a call. Nodes
+    contending for the shared state retry their compare-and-set, so a round of n nodes pays it
+    O(n^2) times: on one machine 16 nodes took seconds and 32 never formed a round. The names
+    are the same; idempotent, process-wide (no behaviour changes, only the cost).
+    """
+    from torch.distributed.elastic.rendezvous import dynamic_rendezvous as dr
+
+    if getattr(dr.get_method_name, "__wrapped__", None) is not None:
+        return
+
+    def get_method_name(depth: int = 2) -> str:
+        return _method_name(depth)
+
+    get_method_name.__wrapped__ = dr.get_method_name  # type: ignore[attr-defined]
+    dr.get_method_name = get_method_name

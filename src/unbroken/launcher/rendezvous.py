@@ -193,6 +193,7 @@ class C10dRendezvous:
                 "--rdzv-endpoint and that the host agent (or the store pod) is up"
             ) from e
         self._undo_polls = rdzvconf.fast_polls(poll_s) if poll_s != 1.0 else None
+        rdzvconf.cheap_event_names()
         self.job_store: Any = store  # a TCPStore (mypy sees the Store base)
         host, _ = _split(spec.rdzv_endpoint)
         self.store_addr = f"{host}:{getattr(store, 'port', 0)}"
