@@ -177,3 +177,17 @@ def test_a_restart_takes_standbys_that_run_as_workers_and_end_with_the_pool(
     for w in second["workers"]:
         if w["pid"] in live:
             assert w["started"] >= second["asked"]
+
+
+def test_an_agent_gone_with_a_message_unread_ends_the_pool_quietly() -> None:
+    """The agent exits while the pool's last reply sits unread: the pool's next read gets a
+    connection reset, which means the same as end of file (no traceback in the pod's log)."""
+    import socket
+
+    from unbroken.launcher import zygote
+
+    pool, agent = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    zygote._send(pool, {"ready": True})  # never read by the agent
+    agent.close()
+    assert zygote._recv(pool) is None
+    pool.close()

@@ -62,7 +62,10 @@ def _send(sock: socket.socket, obj: Any) -> None:
 def _recv_exact(sock: socket.socket, n: int) -> bytes | None:
     buf = b""
     while len(buf) < n:
-        chunk = sock.recv(n - len(buf))
+        try:
+            chunk = sock.recv(n - len(buf))
+        except ConnectionResetError:  # the agent exited with our last message unread: gone
+            return None
         if not chunk:
             return None
         buf += chunk
