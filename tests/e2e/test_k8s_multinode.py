@@ -135,6 +135,35 @@ def test_a_hot_spare_takes_the_lost_nodes_place_without_waiting_for_kubernetes(
     assert res.steps_lost is not None and res.steps_lost <= 1
 
 
+def test_a_drained_node_is_a_preemption_the_job_saves_at_then_goes_on_with_the_spare(
+    clean_hash: str, tmp_path: Path
+) -> None:
+    """The pod of group rank 0 (the round's worker store on its node) is evicted, as draining
+    its node does: SIGTERM, a grace period. Its agent tells the others; every rank saves the
+    same step durably; the evicted node leaves the rendezvous without closing it, and the
+    survivors go on with the spare from that step, no step trained twice, no lost node to
+    notice through keep-alives, no restart budget used."""
+    run_ = dataclasses.replace(JOB, spares=1, lose="group-rank:0", drain=True, snapshot_every=1)
+    res = run_node_loss(run_, tmp_path)
+    assert res.status == "Complete", res.history[-5:]
+    assert res.final_state_sha256 == clean_hash
+    assert res.lost_ts is not None and res.lost_host is not None
+    events = read_events(res.run_dir)
+    saves = [e for e in events if e.kind == "phase" and e.get("name") == "preemption"]
+    assert {e.rank for e in saves} == set(range(6)) and all(e.get("durable") for e in saves)
+    [saved] = {int(e.get("step")) for e in saves}
+    steps = [int(e.get("step")) for e in events if e.kind == "step" and e.rank == 0]
+    assert sorted(steps) == [s for s in range(STEPS) if s != saved]  # none twice; the saved
+    # step's record is its save's (it raised Preempted before ``step_done``)
+    causes = [e.get("cause") for e in events if e.rank == -1 and e.kind == "restart_begin"]
+    assert causes and set(causes) == {"preemption"}
+    assert not [e for e in events if e.kind == "fault_detected"]  # told, not detected
+    ended = [h for h in res.history if h["event"] == "pod_ended" and h["hostname"] == res.lost_host]
+    assert ended[0]["exit_code"] == 143 and "DisruptionTarget" in ended[0]["conditions"]
+    _check_survivors_stayed_warm(res, res.lost_host)
+    assert res.steps_lost == 0 and res.recovery_s is not None
+
+
 def test_the_store_pod_lost_then_a_node_lost_the_job_continues(
     clean_hash: str, tmp_path: Path
 ) -> None:

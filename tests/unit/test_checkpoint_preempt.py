@@ -32,6 +32,20 @@ def test_ranks_a_step_apart_agree_on_the_first_askers_step_plus_the_margin(
     assert preempt.target(tmp_path, run="other", step=9) == 9 + preempt.MARGIN  # per run
 
 
+def test_fast_steps_stop_far_enough_ahead_for_the_other_nodes_to_hear_of_it(
+    tmp_path: Path,
+) -> None:
+    """At 10 ms a step, two steps would pass before another node's agent passes the SIGTERM
+    on: the target is REACH_S of steps ahead instead; slow steps keep MARGIN."""
+    assert preempt.target(tmp_path, run="fast", step=100, step_s=0.01) == 100 + 100
+    assert preempt.target(tmp_path, run="slow", step=100, step_s=2.0) == 100 + preempt.MARGIN
+    stop = preempt.Stop(tmp_path, "paced")
+    assert not stop.due(7)
+    preempt.request()
+    assert not stop.due(8)  # a step at the pace of these two calls: far under REACH_S
+    assert stop.target is not None and stop.target > 8 + preempt.MARGIN
+
+
 def test_a_previous_launchs_agreement_is_replaced(tmp_path: Path) -> None:
     path = tmp_path / ".preempt-r"
     path.write_text(json.dumps({"step": 3}))
@@ -44,7 +58,10 @@ def test_storage_that_cannot_be_written_stops_where_the_rank_is(tmp_path: Path) 
     assert preempt.target(tmp_path / "missing" / "dir", run="r", step=8) == 8
 
 
-def test_nothing_is_due_until_requested_then_the_agreed_step(tmp_path: Path) -> None:
+def test_nothing_is_due_until_requested_then_the_agreed_step(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(preempt, "REACH_S", 0.0)  # the steps here take microseconds
     stop = preempt.Stop(tmp_path, "r")
     assert not stop.due(3) and not (tmp_path / ".preempt-r").exists()
     preempt.request()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import signal
 from dataclasses import dataclass, field
@@ -45,11 +46,22 @@ class FakeRdzv:
             raise item
         return item
 
+    preempted: list[bool] = field(default_factory=list)  # peer_preempted's answers, in order
+
     def membership(self) -> tuple[int, list[str]]:
         return (self.waiting.pop(0) if self.waiting else 0), []
 
+    def announce_preemption(self, info: RoundInfo) -> None:
+        self.calls.append(f"preempted{info.round}")
+
+    def peer_preempted(self, round_: int) -> bool:
+        return self.preempted.pop(0) if self.preempted else False
+
     def exit_barrier(self, info: RoundInfo) -> None:
         self.calls.append(f"barrier{info.round}")
+
+    def leave(self) -> None:
+        self.calls.append("leave")
 
     def close(self) -> None:
         self.calls.append("close")
@@ -351,6 +363,49 @@ def test_signal_to_the_agent_stops_workers_and_exits_128_plus_n(tmp_path: Path) 
     assert agent.run() == 128 + signal.SIGTERM
     assert workers.log[-1] == ("stop", 1.5)
     assert json.loads((tmp_path / "error.json").read_text())["cause"] == "agent_sigterm"
+
+
+def _multi_node(round_: int) -> RoundInfo:
+    return dataclasses.replace(info(round_), group_world_size=2, world_size=2 * NPROC)
+
+
+def test_a_sigterm_in_a_multi_node_job_is_told_to_the_others_and_leaves_the_rendezvous_open(
+    tmp_path: Path,
+) -> None:
+    """Its pod evicted: the other nodes hear of the preemption (they save with it), and this
+    node leaves the rendezvous; closing it would end the job for every node."""
+    agent, rdzv, workers, _ = make(
+        tmp_path,
+        [[hbs(0), {"signals": [signal.SIGTERM]}]],
+        rounds=[_multi_node(0)],
+        max_nodes=2,
+        membership_check_s=1e-6,
+    )
+    assert agent.run() == 128 + signal.SIGTERM
+    assert rdzv.calls == ["next_round", "preempted0", "leave", "leave"]  # at once, and at exit
+    assert workers.log[-1] == ("stop", 1.5)  # the workers' grace: they save the agreed step
+
+
+def test_another_nodes_preemption_saves_with_it_then_goes_on_without_the_budget(
+    tmp_path: Path,
+) -> None:
+    """Another node announced its preemption: this node's workers get the grace to save the
+    step every rank agrees on (SIGTERM), then the next round starts; no restart is counted."""
+    script = [[hbs(0), "tick"], [hbs(0, round_=1), ok_exits()]]
+    agent, rdzv, workers, ledger = make(
+        tmp_path,
+        script,
+        rounds=[_multi_node(0), _multi_node(1)],
+        max_nodes=2,
+        max_restarts=0,
+        membership_check_s=1e-6,
+    )
+    rdzv.preempted = [False, True]
+    assert agent.run() == errors.EXIT_OK
+    assert ("stop", 1.5) in workers.log and workers.log[-1] == ("start", 1)
+    assert [d["cause"] for d in ledger.of("restart_begin")] == ["preemption"]
+    assert not ledger.of("fault_detected") and agent.machine.restarts == 0
+    assert rdzv.calls == ["next_round", "next_round", "barrier1", "close"]
 
 
 def test_signal_while_stopping_prevents_the_next_round(tmp_path: Path) -> None:

@@ -191,3 +191,21 @@ def test_an_agent_gone_with_a_message_unread_ends_the_pool_quietly() -> None:
     agent.close()
     assert zygote._recv(pool) is None
     pool.close()
+
+
+def test_a_pool_whose_agent_exited_before_it_was_ready_exits_quietly() -> None:
+    """A spare's agent finds the job over while its warm pool still preloads: the pool's
+    "ready" meets a closed socket and it exits 0, without a traceback in the pod's log."""
+    import socket
+
+    agent, pool = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    agent.close()
+    proc = subprocess.run(
+        [sys.executable, "-m", "unbroken.launcher.zygote", "--fd", str(pool.fileno())],
+        pass_fds=(pool.fileno(),),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    pool.close()
+    assert (proc.returncode, proc.stderr) == (0, "")

@@ -4,8 +4,10 @@ The job is rendered by ``unbroken k8s render`` (Indexed Job + headless Service +
 pod) and run by the emulated cluster (``unbroken.k8s.emulate``: an emulation, so labelled),
 which applies the ``network`` faults of a plan among the training arguments (``netfaults``);
 once rank 0 completed step ``--at-step`` and every agent reached the rendezvous store (a spare
-is waiting), one node is lost (its link goes down, then every
-process of it dies; the pod gets ``DisruptionTarget``). Configurations:
+is waiting), one node is lost (its link goes down, then every process of it dies; the pod
+gets ``DisruptionTarget``), or with ``--drain`` drained (its pod evicted: ``DisruptionTarget``,
+SIGTERM, SIGKILL after the termination grace; a preemption every rank saves with, after which
+the job goes on without the node). Configurations:
 
 - ``clean``: no loss (the reference ``final_state_sha256`` and step time);
 - ``spare``: one hot spare pod waits in the rendezvous and takes the lost node's place; every
@@ -21,7 +23,7 @@ process of it dies; the pod gets ``DisruptionTarget``). Configurations:
   ``--pod-restart-s``.
 
 Figures: node loss -> training again (``recovery_s``: the loss to every rank having completed
-a step), the steps lost and where each rank restored from (``tiers``), from the run's ledger,
+a step; for a drain, ``drain_outage``), the steps lost and where each rank restored from (``tiers``), from the run's ledger,
 with the goodput code every other figure uses. The unbroken configurations snapshot to memory
 every ``--snapshot-every`` steps; clean and baseline never do.
 """
@@ -53,6 +55,7 @@ logger = logging.getLogger(__name__)
 CLAIM = "ckpt"
 MOUNT = "/checkpoints"
 CONFIGS = ("clean", "spare", "spare-disk", "replace", "baseline")
+TERMINATION_GRACE_S = 10.0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -72,6 +75,9 @@ class NodeLoss:
     round), or None (no loss)."""
     at_step: int = 10
     """The node is lost once rank 0 completed this step."""
+    drain: bool = False
+    """The node is drained instead of lost: its pod is evicted (SIGTERM, the termination
+    grace), a preemption every rank saves with."""
     lose_store_at_step: int | None = None
     """Lose the rendezvous store's pod first, once rank 0 completed this step (None: never);
     the node is lost after every agent re-joined the store's replacement."""
@@ -169,8 +175,8 @@ class NodeLoss:
             keep_alive_attempts=self.keep_alive_attempts,
             rdzv_poll_s=self.rdzv_poll_s,
             membership_check_s=self.membership_check_s,
-            stop_grace_s=2.0,
-            termination_grace_s=10,
+            stop_grace_s=TERMINATION_GRACE_S - 2.0,  # a preemption's save (drain)
+            termination_grace_s=int(TERMINATION_GRACE_S),
             join_timeout_s=int(self.timeout_s),
         )
         return render.objects(spec, "job")
@@ -193,7 +199,7 @@ class NodeLossResult:
     store_lost_ts: float | None = None
     """When the store's pod was lost (``lose_store_at_step``)."""
     recovery_s: float | None = None
-    """Node loss -> every rank completed a step again."""
+    """Node loss -> every rank completed a step again (a drain: ``drain_outage``)."""
     steps_lost: int | None = None
     """Completed steps trained again after the loss."""
     tiers: dict[str, int] = field(default_factory=dict)
@@ -240,6 +246,27 @@ def emulated_cluster(
     return cluster
 
 
+def drain_outage(events: list[Any], since: float) -> float | None:
+    """A drain's outage: the job trains on until the step every rank saves, so the figure is
+    from the last rank's end of that save (its ``preemption`` phase) to every rank having
+    completed a step in the next round (None without both)."""
+    ends = [e.ts for e in events if e.kind == ev.RESTART_END and e.rank == ev.LAUNCHER_RANK]
+    restart = min((t for t in ends if t > since), default=None)
+    saved = [
+        e.ts
+        for e in events
+        if e.kind == ev.PHASE and e.get("name") == "preemption" and since < e.ts < (restart or 0)
+    ]
+    if restart is None or not saved:
+        return None
+    steps = [e for e in events if e.kind == ev.STEP]
+    firsts: dict[int, float] = {}
+    for e in steps:
+        if e.ts > restart:
+            firsts[e.rank] = min(firsts.get(e.rank, e.ts), e.ts)
+    return max(firsts.values()) - max(saved) if firsts else None
+
+
 def run_node_loss(run: NodeLoss, workdir: Path) -> NodeLossResult:
     """Run ``run`` on a fresh emulated cluster under ``workdir`` (an earlier run there is
     replaced: ``fresh_workdir``); the cluster is gone after."""
@@ -271,14 +298,15 @@ def run_node_loss(run: NodeLoss, workdir: Path) -> NodeLossResult:
                 ready = ready and len(tail.rejoined()) >= run.nodes + run.spares
             if ready and tail.step(0) >= run.at_step:
                 res.lost_host = _target(run, cluster, tail)
-                res.lost_ts = cluster.lose(cluster.pod(res.lost_host))
+                grace = TERMINATION_GRACE_S if run.drain else None
+                res.lost_ts = cluster.lose(cluster.pod(res.lost_host), evict_grace_s=grace)
             time.sleep(0.01)
         if res.lost_ts is not None:
             ledger = Ledger(run_dir, run=run.name, rank=ev.LAUNCHER_RANK)
             ledger.emit(
                 ev.FAULT_INJECTED,
                 ts=res.lost_ts,
-                fault="node-loss",
+                fault="node-drain" if run.drain else "node-loss",
                 step=run.at_step,
                 node=res.lost_host,
                 emulated=True,
@@ -298,6 +326,8 @@ def run_node_loss(run: NodeLoss, workdir: Path) -> NodeLossResult:
         if report.faults:
             res.recovery_s = report.faults[0].recovery_s
             res.steps_lost = report.faults[0].steps_lost
+        if run.drain and res.lost_ts is not None:
+            res.recovery_s = drain_outage(events, res.lost_ts)
         if res.lost_ts is not None:
             for e in events:
                 if e.kind == "ckpt_load" and e.ts > res.lost_ts:
@@ -333,6 +363,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--lose",
         default="group-rank:0",
         help="which node: index:N (a pod index) or group-rank:N (a rank in the current round)",
+    )
+    p.add_argument(
+        "--drain",
+        action="store_true",
+        help="drain the node instead of losing it: its pod is evicted (SIGTERM, grace 10 s)",
     )
     p.add_argument(
         "--pod-restart-s",
@@ -390,6 +425,7 @@ def main(a: argparse.Namespace) -> int:
             snapshot_every=0 if name in ("clean", "baseline") else a.snapshot_every,
             peer_replica=name != "spare-disk",
             lose=None if name == "clean" else a.lose,
+            drain=a.drain,
             baseline=name == "baseline",
             pod_restart_s=a.pod_restart_s,
             keep_alive_s=a.keep_alive_s,

@@ -10,10 +10,12 @@ commit and raises ``unbroken.errors.Preempted``: the relaunched job resumes from
 trains no step twice.
 
 The ranks agree through the checkpoint directory, which every rank sees: under a ``flock``, the
-first rank to ask writes ``<root>/.preempt-<run>`` holding its step + ``MARGIN``; the others
-read it. In a data-parallel job the ranks are at most one step apart (a rank cannot finish a step
-whose collectives another rank has not joined), and every rank of a node gets its SIGTERM
-from one agent at once, so each rank reads the target before it reaches it. An agreement file
+first rank to ask writes ``<root>/.preempt-<run>`` holding its step + ``MARGIN``, or more steps
+when they take less than ``REACH_S`` together; the others read it. In a data-parallel job the
+ranks are at most one step apart (a rank cannot finish a step whose collectives another rank
+has not joined), every rank of a node gets its SIGTERM from one agent at once, and the ranks of
+the other nodes of a multi-node job get theirs from their agents a membership check later
+(``unbroken.launcher.departure``), so each rank reads the target before it reaches it. An agreement file
 older than this process's import of this module is a previous launch's, and is replaced.
 
 Imports of ours: ``unbroken.errors``, ``unbroken.ledger``.
@@ -24,6 +26,7 @@ from __future__ import annotations
 import fcntl
 import json
 import logging
+import math
 import os
 import re
 import time
@@ -41,7 +44,12 @@ _IMPORTED = time.time()
 file older than this is a previous launch's."""
 
 MARGIN = 2
-"""Steps between the first rank's step when it asks and the step every rank stops at."""
+"""Steps between the first rank's step when it asks and the step every rank stops at, at least."""
+
+REACH_S = 1.0
+"""...and at least this long of steps (at the asking rank's pace): the SIGTERM reaches the
+other nodes' ranks through their agents, a membership check (0.1 s by default) and a store
+read after this node's."""
 
 _requested: float | None = None
 
@@ -72,13 +80,15 @@ def _path(root: Path, run: str | None) -> Path:
     return root / f".preempt-{re.sub(r'[^A-Za-z0-9._-]', '_', run or 'run')}"
 
 
-def target(root: Path, *, run: str | None, step: int) -> int:
+def target(root: Path, *, run: str | None, step: int, step_s: float | None = None) -> int:
     """The step every rank stops at, agreed through ``root``.
 
     Args:
         root: The checkpoint directory (every rank sees it).
         run: The run (names the file).
         step: The asking rank's step (just completed).
+        step_s: Its recent time per step (None: unknown); the target is then at least
+            ``REACH_S`` of steps ahead, ``MARGIN`` steps at least.
 
     Returns:
         The target step; ``step`` itself when the directory cannot be written (failing
@@ -93,7 +103,8 @@ def target(root: Path, *, run: str | None, step: int) -> int:
                     return int(json.loads(path.read_text())["step"])
             except (FileNotFoundError, ValueError, KeyError, TypeError):
                 pass  # none yet (or a previous launch's, or unreadable): this rank sets it
-            agreed = step + MARGIN
+            ahead = MARGIN if not step_s else max(MARGIN, math.ceil(REACH_S / step_s))
+            agreed = step + ahead
             tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
             tmp.write_text(json.dumps({"step": agreed, "ts": time.time(), "pid": os.getpid()}))
             os.replace(tmp, path)
@@ -116,6 +127,8 @@ class Stop:
     def __init__(self, root: Path, run: str | None) -> None:
         self.root, self.run = root, run
         self.target: int | None = None
+        self._seen: tuple[int, float] | None = None  # (step, when maybe_save saw it)
+        self._step_s: float | None = None
 
     def due(self, step: int) -> bool:
         """Whether ``step`` is the one to save and stop at (or past it).
@@ -126,10 +139,14 @@ class Stop:
         Returns:
             False while no stop was requested.
         """
+        now = time.monotonic()
+        if self._seen is not None and step > self._seen[0]:
+            self._step_s = (now - self._seen[1]) / (step - self._seen[0])
+        self._seen = (step, now)
         if _requested is None:
             return False
         if self.target is None:
-            self.target = target(self.root, run=self.run, step=step)
+            self.target = target(self.root, run=self.run, step=step, step_s=self._step_s)
         return step >= self.target
 
 

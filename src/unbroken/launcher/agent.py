@@ -48,7 +48,10 @@ logger = logging.getLogger(__name__)
 class RendezvousPort(Protocol):
     def next_round(self) -> RoundInfo: ...
     def membership(self) -> tuple[int, list[str]]: ...
+    def announce_preemption(self, info: RoundInfo) -> None: ...
+    def peer_preempted(self, round_: int) -> bool: ...
     def exit_barrier(self, info: RoundInfo) -> None: ...
+    def leave(self) -> None: ...
     def close(self) -> None: ...
 
 
@@ -235,13 +238,15 @@ class Agent:
         )
         self.machine.started()
 
-    def _membership(self, now: float) -> tuple[int, list[str]]:
-        """(nodes waiting to join, nodes of this round that died), at most every
-        ``membership_check_s``."""
+    def _membership(self, now: float) -> tuple[int, list[str], bool]:
+        """(nodes waiting to join, nodes of this round that died, another node of this round
+        preempted), at most every ``membership_check_s``."""
         if self.spec.max_nodes <= 1 or now < self._next_membership:
-            return 0, []
+            return 0, [], False
         self._next_membership = now + self.cfg.membership_check_s
-        return self.rdzv.membership()
+        if self.rdzv.peer_preempted(self.round):  # it leaves on purpose: not a lost node
+            return 0, [], True
+        return (*self.rdzv.membership(), False)
 
     def _watch(self) -> None:
         while self.machine.state is State.RUNNING:
@@ -266,9 +271,9 @@ class Agent:
                         hangs, states, ts=self.wall(), round_=self.round
                     )
                     self.workers.kill([h.local_rank for h in hangs], signal.SIGKILL)
-            waiting = 0
+            waiting, preempted = 0, False
             if not failures:
-                waiting, lost = self._membership(now)
+                waiting, lost, preempted = self._membership(now)
                 if lost:
                     message = f"node(s) {', '.join(lost)} left the rendezvous (keep-alive expired)"
                     failures = [
@@ -285,6 +290,7 @@ class Agent:
                 succeeded=self.workers.all_succeeded(),
                 nodes_waiting=waiting,
                 signal=got.signals[0] if got.signals else None,
+                peer_preempted=preempted,
             )
             if self.machine.observe(tick) is State.STOPPING:
                 self._stopping(tick)
@@ -296,6 +302,18 @@ class Agent:
             assert tick.signal is not None
             self.machine.failures.append(self._signal_failure(tick.signal))
             logger.warning("received %s: stopping workers", errors.signal_name(tick.signal))
+            if tick.signal == signal.SIGTERM and self.info is not None:
+                self.rdzv.announce_preemption(self.info)  # the other nodes save with this one
+                if self.spec.max_nodes > 1:  # and go on without it once saved: no waiting on it
+                    self.rdzv.leave()
+            return
+        if reason is StopReason.PREEMPTION:
+            logger.warning(
+                "another node of round %d was preempted: every rank saves the step they agree "
+                "on, then the job goes on without it",
+                self.round,
+            )
+            self._emit(ev.RESTART_BEGIN, layer="launcher", cause="preemption", round=self.round)
             return
         if reason is StopReason.MEMBERSHIP:
             logger.info("a node is waiting to join: restarting round %d", self.round)
@@ -332,15 +350,17 @@ class Agent:
     def _stop_grace(self) -> float:
         """How long the workers get between SIGTERM and SIGKILL.
 
-        A preemption (this agent was signalled) or a script that never sent a heartbeat (not
-        adopted: it may have a SIGTERM handler of its own) gets ``stop_grace_s``. Adopted
+        A preemption (this agent, or another node's, was signalled) or a script that never
+        sent a heartbeat (not adopted: it may have a SIGTERM handler of its own) gets
+        ``stop_grace_s``. Adopted
         workers stopped for a restart get none: inside ``unbroken.run`` a SIGTERM asks for a
         graceful preemption, a save every rank must agree on, which a restart does not need
         (the newest snapshots live in this agent and on the peers) and which cannot complete
         while a peer is gone; waiting for it only delays the next round.
         """
         adopted = any(w.first is not None for w in self.tracker.workers.values())
-        if adopted and self.machine.stop_reason is not StopReason.SIGNAL:
+        preemption = (StopReason.SIGNAL, StopReason.PREEMPTION)
+        if adopted and self.machine.stop_reason not in preemption:
             return 0.0
         return self.cfg.stop_grace_s
 
@@ -395,6 +415,14 @@ class Agent:
                 restarts=m.restarts,
                 round=self.round,
             )
+            if m.stop_reason is StopReason.SIGNAL and m.signal is not None:
+                logger.warning(
+                    "stopped by %s (exit code %d); see %s",
+                    errors.signal_name(m.signal),
+                    code,
+                    path,
+                )
+                return code
             logger.error(
                 "giving up (%s, exit code %d): root cause rank %s %s (%s); see %s",
                 rec["reason"],
@@ -408,4 +436,7 @@ class Agent:
         finally:
             if self.state_file is not None:
                 self.tracker.observed.save(self.state_file)
-            self.rdzv.close()
+            if m.stop_reason is StopReason.SIGNAL and self.spec.max_nodes > 1:
+                self.rdzv.leave()  # this node stops; closing would end the job for every node
+            else:
+                self.rdzv.close()

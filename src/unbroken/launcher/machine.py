@@ -10,9 +10,11 @@
                 +--------------+--> FAILED
 
 - RUNNING -> STOPPING on a worker failure (exit != 0, hang), on a node waiting to join
-  (membership change; does not use the restart budget) or on a signal to the agent.
-- STOPPING -> RENDEZVOUS when a restart is allowed: membership changes always; failures while
-  the budget lasts and while the no-progress guard allows it.
+  (membership change; does not use the restart budget), on a signal to the agent, or on
+  another node's preemption (its agent was signalled: every rank saves the step they agree on
+  with it; does not use the restart budget).
+- STOPPING -> RENDEZVOUS when a restart is allowed: membership changes and another node's
+  preemption always; failures while the budget lasts and while the no-progress guard allows it.
 - STOPPING -> FAILED otherwise, with a distinct exit code (see ``errors``); at once, whatever
   the budget, when a worker reported a configuration error (exit code 2).
 - RENDEZVOUS -> SUCCEEDED when the rendezvous is closed before this node ever joined a round
@@ -49,6 +51,8 @@ class StopReason(enum.Enum):
     FAILURE = "failure"
     MEMBERSHIP = "membership"
     SIGNAL = "signal"
+    PREEMPTION = "preemption"
+    """Another node of the job was preempted: save with it, then go on without it."""
 
 
 TERMINAL = frozenset({State.SUCCEEDED, State.FAILED})
@@ -76,6 +80,8 @@ class Tick:
     """Nodes waiting to join the rendezvous."""
     signal: int | None = None
     """A signal the agent received (SIGTERM, SIGINT, ...)."""
+    peer_preempted: bool = False
+    """Another node of the round was preempted (its agent got a SIGTERM)."""
 
 
 class Machine:
@@ -159,6 +165,9 @@ class Machine:
         if tick.succeeded:
             self.exit_code = errors.EXIT_OK
             return self._go(State.SUCCEEDED)
+        if tick.peer_preempted:
+            self.stop_reason = StopReason.PREEMPTION
+            return self._go(State.STOPPING)
         if tick.nodes_waiting > 0:
             self.stop_reason = StopReason.MEMBERSHIP
             return self._go(State.STOPPING)
@@ -174,7 +183,7 @@ class Machine:
         if self.stop_reason is StopReason.SIGNAL:
             assert self.signal is not None
             return self._fail(128 + self.signal)
-        if self.stop_reason is StopReason.MEMBERSHIP:
+        if self.stop_reason in (StopReason.MEMBERSHIP, StopReason.PREEMPTION):
             return self._go(State.RENDEZVOUS)
         if any(f.cause == CONFIG_CAUSE for f in self.failures):  # no restart can fix it
             return self._fail(errors.EXIT_USAGE)

@@ -37,7 +37,8 @@ started after that reach the new store by the same address.
 A node that never took part in a round and finds the rendezvous closed (a hot spare, a late
 replacement: the job finished without it) gets ``JobOver``, not an error. Each agent names
 itself with a random incarnation id (torch's default, a per-process counter, would make a
-replacement pod, with its predecessor's hostname and pid, pass for the dead node).
+replacement pod, with its predecessor's hostname and pid, pass for the dead node). Only a
+finished or failed job closes the rendezvous; a preempted node leaves it (``departure``).
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ from datetime import timedelta
 from typing import Any, Protocol
 
 from unbroken import env as uenv
-from unbroken.launcher import listen, rdzvconf, storelink
+from unbroken.launcher import departure, listen, rdzvconf, storelink
 from unbroken.launcher.args import JobSpec
 from unbroken.launcher.errors import LauncherError
 from unbroken.ledger import NULL, Recorder
@@ -443,29 +444,41 @@ class C10dRendezvous:
                 logger.warning("could not read the rendezvous state: %s", e)
             return 0, []
 
+    def announce_preemption(self, info: RoundInfo) -> None:
+        """Tell the other nodes of round ``info`` that this one is preempted (``departure``)."""
+        if info.group_world_size > 1:
+            departure.announce(self.job_store, self.spec.rdzv_id, info.round)
+
+    def peer_preempted(self, round_: int) -> bool:
+        """Whether a node of round ``round_`` announced its preemption (store errors: no)."""
+        if self._reconnect is not None:
+            return False
+        try:
+            return bool(self.job_store.check([departure.key(self.spec.rdzv_id, round_)]))
+        except Exception as e:
+            if self._store_lost(e):
+                self._reconnecting(e)
+            return False
+
+    def leave(self) -> None:
+        """Leave the rendezvous without closing it (``departure``): the others go on. The
+        round's worker store stays up (this node's workers may still be saving with it)."""
+        departure.leave(self.handler, min(5.0, self.timeout_s))
+        self._undo()
+
     def exit_barrier(self, info: RoundInfo) -> None:
         """Wait until every node of the round finished (so the store host leaves last)."""
         if info.group_world_size <= 1:
             return
-        key = f"unbroken/{self.spec.rdzv_id}/exit/{info.round}"
-        deadline = time.monotonic() + self.timeout_s
         try:
             if self._reconnect is not None:
                 self._wait_rejoin(RuntimeError("the store was lost while training"))
-            done = int(self.job_store.add(key, 1))
-            while done < info.group_world_size and time.monotonic() < deadline:
-                time.sleep(0.05)
-                done = int(self.job_store.add(key, 0))
         except Exception as e:
             logger.warning("exit barrier of round %d failed: %s", info.round, e)
             return
-        if done < info.group_world_size:
-            logger.warning(
-                "exit barrier: only %d of %d nodes finished within %.0f s",
-                done,
-                info.group_world_size,
-                self.timeout_s,
-            )
+        departure.exit_barrier(
+            self.job_store, self.spec.rdzv_id, info.round, info.group_world_size, self.timeout_s
+        )
 
     def close(self) -> None:
         """Close the rendezvous for every node (the job is over) and stop keep-alives."""
@@ -474,6 +487,9 @@ class C10dRendezvous:
             self.handler.shutdown()
         except Exception as e:
             logger.warning("rendezvous shutdown failed: %s", e)
+        self._undo()
+
+    def _undo(self) -> None:
         if self._undo_polls is not None:
             self._undo_polls()
             self._undo_polls = None

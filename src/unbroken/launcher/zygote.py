@@ -366,7 +366,10 @@ class Zygote:
 
 
 if __name__ == "__main__":
-    _started = main(sys.argv[1:])
+    try:
+        _started = main(sys.argv[1:])
+    except (BrokenPipeError, ConnectionResetError):  # the agent exited before it read us
+        _started = None
     if _started is None:
         sys.exit(0)
     _req, _agent_pid = _started

@@ -209,10 +209,11 @@ class PlanConfig:
     @property
     def stop_grace_s(self) -> float:
         """The grace period a graceful preemption needs (``--ft-stop-grace-s``, Kubernetes'
-        ``terminationGracePeriodSeconds``): the ranks stop two steps after the first one
-        hears SIGTERM (``unbroken.checkpoint.preempt.MARGIN``), then stage and persist one
-        durable save; doubled, for a step or a write slower than planned."""
-        return 2.0 * (2 * self.step_time_s + self.stage_s + self.persist_s)
+        ``terminationGracePeriodSeconds``): the ranks stop two steps, and at least a second,
+        after the first one hears SIGTERM (``unbroken.checkpoint.preempt``: ``MARGIN``,
+        ``REACH_S``), then stage and persist one durable save; doubled, for a step or a write
+        slower than planned."""
+        return 2.0 * (max(2 * self.step_time_s, 1.0) + self.stage_s + self.persist_s)
 
     @property
     def productive_s(self) -> float:

@@ -271,21 +271,26 @@ class Cluster:
             raise LookupError(f"no running pod with hostname {hostname!r}")
         return found[-1]
 
-    def lose(self, pod: Pod) -> float:
-        """Lose the node of ``pod`` now (see ``Pod.lose``).
+    def lose(self, pod: Pod, *, evict_grace_s: float | None = None) -> float:
+        """Lose the node of ``pod`` now (see ``Pod.lose``), or drain it: ``pod`` is evicted.
 
         Args:
-            pod: The pod whose node is lost.
+            pod: The pod whose node is lost or drained.
+            evict_grace_s: None: the node is lost. A number: the node is drained, so the pod
+                gets ``DisruptionTarget``, SIGTERM, and SIGKILL after this long.
 
         Returns:
             When, as ``time.time()``.
         """
         with self._lock:
             ts = time.time()
-            pod.lose(self.network)
-            self.record(
-                "node_lost", pod=pod.name, hostname=pod.hostname, index=pod.index, ip=pod.ip
-            )
+            if evict_grace_s is None:
+                pod.lose(self.network)
+            else:
+                pod.conditions.add(DISRUPTION)
+                pod.terminate(evict_grace_s, time.monotonic())
+            event = "node_lost" if evict_grace_s is None else "pod_evicted"
+            self.record(event, pod=pod.name, hostname=pod.hostname, index=pod.index, ip=pod.ip)
             return ts
 
     def degrade(
