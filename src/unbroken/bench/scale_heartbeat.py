@@ -106,7 +106,16 @@ class _Rdzv:
     def membership(self) -> tuple[int, list[str]]:
         return 0, []
 
+    def announce_preemption(self, info: RoundInfo) -> None:
+        pass
+
+    def peer_preempted(self, round_: int) -> bool:
+        return False
+
     def exit_barrier(self, info: RoundInfo) -> None:
+        pass
+
+    def leave(self) -> None:
         pass
 
     def close(self) -> None:
