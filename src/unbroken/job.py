@@ -208,10 +208,11 @@ def main(
         run_dir: as for ``run``.
         fault_plan: as for ``run``.
         meta: as for ``run``.
-        exit_fast: on an error, exit at once (``os._exit``) once the ledger, the error file
-            and the traceback are written, skipping the interpreter's teardown with torch
-            loaded (module finalizers, process-group destructors: a fraction of a second the
-            launcher and the peers would wait for). The script's atexit handlers and its own
+        exit_fast: on an error, or after a graceful preemption's committed save, exit at
+            once (``os._exit``) once the ledger, the error file and the traceback are
+            written, skipping the interpreter's teardown with torch loaded (module
+            finalizers, process-group destructors: a fraction of a second the launcher and
+            the peers would wait for, before the next round of a multi-node job). The script's atexit handlers and its own
             unflushed files are lost then: only for scripts that keep nothing there.
 
     Exit codes: 0 when ``fn`` returned; ``Escalated.exit_code`` (75) when in-process restart
@@ -238,6 +239,10 @@ def main(
         sys.exit(EXIT_CONFIG)
     except Preempted as e:  # asked to stop, and the newest step is saved: not an error
         logger.warning("%s; exit code %d", e, e.exit_code)
+        if exit_fast:  # the save is committed and the ledger closed: nothing left to wait for
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(e.exit_code)
         sys.exit(e.exit_code)
     except StopJob as e:  # the job ends on purpose (failed storage): the launcher ends it
         get_error_handler().record_exception(e)

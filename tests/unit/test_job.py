@@ -173,6 +173,46 @@ def test_main_exits_with_the_launchers_code(tmp_path: Path, fail: bool) -> None:
         assert ev.JOB_END in kinds
 
 
+PREEMPTED = """
+import atexit
+import unbroken
+from unbroken.errors import Preempted
+
+atexit.register(lambda: print("atexit ran", flush=True))
+
+def train(ctx):
+    ctx.step_done(0)
+    raise Preempted("preempted: step 0 is committed")
+
+unbroken.main(train, exit_fast={fast})
+"""
+
+
+@pytest.mark.parametrize("fast", [False, True])
+@pytest.mark.slow
+def test_a_preempted_process_exits_143_and_exit_fast_skips_the_teardown(
+    tmp_path: Path, fast: bool
+) -> None:
+    """After a preemption's committed save the process exits 143; with ``exit_fast`` at once
+    (no atexit handler, no interpreter teardown), the ledger closed before it."""
+    env = dict(os.environ, PYTHONPATH=str(SRC), OMP_NUM_THREADS="1")
+    for name in [k for k in env if k.startswith(("UNBROKEN_", "TORCHELASTIC_", "MASTER_"))]:
+        del env[name]
+    out = subprocess.run(
+        [sys.executable, "-c", PREEMPTED.format(fast=fast)],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 143, out.stderr[-3000:]
+    assert "exit code 143" in out.stderr
+    assert ("atexit ran" in out.stdout) is not fast
+    (run_dir,) = (tmp_path / "runs").iterdir()
+    assert ev.STEP in [e.kind for e in read_events(run_dir)]
+
+
 def test_a_bad_unbroken_faults_plan_is_a_clear_error(tmp_path: Path) -> None:
     missing = WorkerEnv.from_environ({"UNBROKEN_FAULTS": str(tmp_path / "nope.yaml")})
     with pytest.raises(ValueError, match="UNBROKEN_FAULTS=.*nope.yaml: no such file"):
