@@ -329,6 +329,16 @@ def test_rendezvous_failure(tmp_path: Path) -> None:
     assert "no quorum" in rec["message"]
 
 
+def test_a_node_whose_own_rendezvous_failed_leaves_the_job_open_for_the_others(
+    tmp_path: Path,
+) -> None:
+    """Closing is for failures every node shares: a node that could not join (exit 5) only
+    leaves; a replacement takes its place and the job goes on."""
+    agent, rdzv, _, _ = make(tmp_path, [], rounds=[TimeoutError("no quorum")], max_nodes=3)
+    assert agent.run() == errors.EXIT_RENDEZVOUS_FAILED
+    assert rdzv.calls == ["next_round", "leave"]
+
+
 def test_a_spare_that_finds_the_job_over_exits_0_without_workers(tmp_path: Path) -> None:
     agent, rdzv, workers, ledger = make(
         tmp_path, [], rounds=[JobOver("the rendezvous 'job' is closed")], max_nodes=4

@@ -45,6 +45,19 @@ from unbroken.ledger import events as ev
 logger = logging.getLogger(__name__)
 
 
+_JOB_WIDE = frozenset(
+    {
+        errors.EXIT_USAGE,
+        errors.EXIT_BUDGET_EXHAUSTED,
+        errors.EXIT_NO_PROGRESS,
+        errors.EXIT_STORAGE_FAILED,
+    }
+)
+"""Failures every node shares (its configuration, the restart budget, progress, checkpoint
+storage): the agent that gives up closes the rendezvous, ending the job for every node. Any
+other end of a node (a signal, its own rendezvous or start failing) leaves it open."""
+
+
 class RendezvousPort(Protocol):
     def next_round(self) -> RoundInfo: ...
     def membership(self) -> tuple[int, list[str]]: ...
@@ -436,7 +449,7 @@ class Agent:
         finally:
             if self.state_file is not None:
                 self.tracker.observed.save(self.state_file)
-            if m.stop_reason is StopReason.SIGNAL and self.spec.max_nodes > 1:
+            if self.spec.max_nodes > 1 and m.state is State.FAILED and code not in _JOB_WIDE:
                 self.rdzv.leave()  # this node stops; closing would end the job for every node
             else:
                 self.rdzv.close()
