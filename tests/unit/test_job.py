@@ -148,20 +148,20 @@ unbroken.main(train, config=unbroken.RestartConfig(max_iterations=1))
 """
 
 
-@pytest.mark.parametrize("fail", [False, True])
-@pytest.mark.slow
-def test_main_exits_with_the_launchers_code(tmp_path: Path, fail: bool) -> None:
+def _lone_process(code: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    """Run ``code`` as a script outside any launcher (no launcher environment)."""
     env = dict(os.environ, PYTHONPATH=str(SRC), OMP_NUM_THREADS="1")
     for name in [k for k in env if k.startswith(("UNBROKEN_", "TORCHELASTIC_", "MASTER_"))]:
         del env[name]
-    out = subprocess.run(
-        [sys.executable, "-c", MAIN.format(fail=fail)],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
+    return subprocess.run(
+        [sys.executable, "-c", code], cwd=cwd, env=env, capture_output=True, text=True, timeout=120
     )
+
+
+@pytest.mark.parametrize("fail", [False, True])
+@pytest.mark.slow
+def test_main_exits_with_the_launchers_code(tmp_path: Path, fail: bool) -> None:
+    out = _lone_process(MAIN.format(fail=fail), tmp_path)
     assert out.returncode == (75 if fail else 0), out.stderr[-3000:]
     (run_dir,) = (tmp_path / "runs").iterdir()  # the default run directory of a lone process
     kinds = [e.kind for e in read_events(run_dir)]
@@ -195,17 +195,7 @@ def test_a_preempted_process_exits_143_and_exit_fast_skips_the_teardown(
 ) -> None:
     """After a preemption's committed save the process exits 143; with ``exit_fast`` at once
     (no atexit handler, no interpreter teardown), the ledger closed before it."""
-    env = dict(os.environ, PYTHONPATH=str(SRC), OMP_NUM_THREADS="1")
-    for name in [k for k in env if k.startswith(("UNBROKEN_", "TORCHELASTIC_", "MASTER_"))]:
-        del env[name]
-    out = subprocess.run(
-        [sys.executable, "-c", PREEMPTED.format(fast=fast)],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    out = _lone_process(PREEMPTED.format(fast=fast), tmp_path)
     assert out.returncode == 143, out.stderr[-3000:]
     assert "exit code 143" in out.stderr
     assert ("atexit ran" in out.stdout) is not fast
