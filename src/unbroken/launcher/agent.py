@@ -365,11 +365,11 @@ class Agent:
 
         A preemption (this agent, or another node's, was signalled) or a script that never
         sent a heartbeat (not adopted: it may have a SIGTERM handler of its own) gets
-        ``stop_grace_s``. Adopted
-        workers stopped for a restart get none: inside ``unbroken.run`` a SIGTERM asks for a
-        graceful preemption, a save every rank must agree on, which a restart does not need
-        (the newest snapshots live in this agent and on the peers) and which cannot complete
-        while a peer is gone; waiting for it only delays the next round.
+        ``stop_grace_s``. Adopted workers stopped for a restart get none: inside
+        ``unbroken.run`` a SIGTERM asks for a graceful preemption, a save every rank must
+        agree on, which a restart does not need (the newest snapshots live in this agent and
+        on the peers) and which cannot complete while a peer is gone; waiting for it only
+        delays the next round.
         """
         adopted = any(w.first is not None for w in self.tracker.workers.values())
         preemption = (StopReason.SIGNAL, StopReason.PREEMPTION)
