@@ -38,7 +38,7 @@ A node that never took part in a round and finds the rendezvous closed (a hot sp
 replacement: the job finished without it) gets ``JobOver``, not an error. Each agent names
 itself with a random incarnation id (torch's default, a per-process counter, would make a
 replacement pod, with its predecessor's hostname and pid, pass for the dead node). Only a
-finished or failed job closes the rendezvous; a preempted node leaves it (``departure``).
+finished job or a failure every node shares closes the rendezvous; a node leaves it otherwise.
 """
 
 from __future__ import annotations
