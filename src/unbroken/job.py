@@ -212,8 +212,9 @@ def main(
             once (``os._exit``) once the ledger, the error file and the traceback are
             written, skipping the interpreter's teardown with torch loaded (module
             finalizers, process-group destructors: a fraction of a second the launcher and
-            the peers would wait for, before the next round of a multi-node job). The script's atexit handlers and its own
-            unflushed files are lost then: only for scripts that keep nothing there.
+            the peers would wait for, before the next round of a multi-node job). The
+            script's atexit handlers and its own unflushed files are lost then: only for
+            scripts that keep nothing there.
 
     Exit codes: 0 when ``fn`` returned; ``Escalated.exit_code`` (75) when in-process restart
     gave up (the launcher takes over); ``RankExcluded.exit_code`` (0) on a rank that left the

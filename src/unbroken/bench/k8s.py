@@ -23,8 +23,8 @@ the job goes on without the node). Configurations:
   ``--pod-restart-s``.
 
 Figures: node loss -> training again (``recovery_s``: the loss to every rank having completed
-a step; for a drain, ``drain_outage``), the steps lost and where each rank restored from (``tiers``), from the run's ledger,
-with the goodput code every other figure uses. The unbroken configurations snapshot to memory
+a step; for a drain, ``drain_outage``), the steps lost and where each rank restored from
+(``tiers``), from the run's ledger, with the goodput code every other figure uses. The unbroken configurations snapshot to memory
 every ``--snapshot-every`` steps; clean and baseline never do.
 """
 
@@ -252,19 +252,18 @@ def drain_outage(events: list[Any], since: float) -> float | None:
     completed a step in the next round (None without both)."""
     ends = [e.ts for e in events if e.kind == ev.RESTART_END and e.rank == ev.LAUNCHER_RANK]
     restart = min((t for t in ends if t > since), default=None)
+    if restart is None:
+        return None
     saved = [
         e.ts
         for e in events
-        if e.kind == ev.PHASE and e.get("name") == "preemption" and since < e.ts < (restart or 0)
+        if e.kind == ev.PHASE and e.get("name") == "preemption" and since < e.ts < restart
     ]
-    if restart is None or not saved:
-        return None
-    steps = [e for e in events if e.kind == ev.STEP]
     firsts: dict[int, float] = {}
-    for e in steps:
-        if e.ts > restart:
+    for e in events:
+        if e.kind == ev.STEP and e.ts > restart:
             firsts[e.rank] = min(firsts.get(e.rank, e.ts), e.ts)
-    return max(firsts.values()) - max(saved) if firsts else None
+    return max(firsts.values()) - max(saved) if saved and firsts else None
 
 
 def run_node_loss(run: NodeLoss, workdir: Path) -> NodeLossResult:

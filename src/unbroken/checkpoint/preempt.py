@@ -15,8 +15,9 @@ when they take less than ``REACH_S`` together; the others read it. In a data-par
 ranks are at most one step apart (a rank cannot finish a step whose collectives another rank
 has not joined), every rank of a node gets its SIGTERM from one agent at once, and the ranks of
 the other nodes of a multi-node job get theirs from their agents a membership check later
-(``unbroken.launcher.departure``), so each rank reads the target before it reaches it. An agreement file
-older than this process's import of this module is a previous launch's, and is replaced.
+(``unbroken.launcher.departure``), so each rank reads the target before it reaches it. An
+agreement file older than this process's import of this module is a previous launch's, and is
+replaced.
 
 Imports of ours: ``unbroken.errors``, ``unbroken.ledger``.
 """

@@ -55,7 +55,7 @@ def _method_name(depth: int = 2) -> str:
     """The name of the function ``depth`` frames up (0: this one), as torch's
     ``get_method_name`` returns it from ``inspect.stack()[depth].function``."""
     try:
-        return sys._getframe(depth + 1).f_code.co_name  # +1: the wrapper torch calls
+        return sys._getframe(depth).f_code.co_name
     except ValueError:
         return "no_method_name"
 
@@ -69,16 +69,9 @@ def cheap_event_names() -> None:
     ``inspect.stack()`` reads the source context of every frame and looks up each frame's
     module among the thousands torch imports, tens of milliseconds of CPU a call. Nodes
     contending for the shared state retry their compare-and-set, so a round of n nodes pays it
-    O(n^2) times: on one machine 16 nodes took seconds and 32 never formed a round. The names
-    are the same; idempotent, process-wide (no behaviour changes, only the cost).
+    O(n^2) times. The names are the same; idempotent, process-wide (only the cost changes).
     """
     from torch.distributed.elastic.rendezvous import dynamic_rendezvous as dr
 
-    if getattr(dr.get_method_name, "__wrapped__", None) is not None:
-        return
-
-    def get_method_name(depth: int = 2) -> str:
-        return _method_name(depth)
-
-    get_method_name.__wrapped__ = dr.get_method_name  # type: ignore[attr-defined]
-    dr.get_method_name = get_method_name
+    if dr.get_method_name is not _method_name:
+        dr.get_method_name = _method_name

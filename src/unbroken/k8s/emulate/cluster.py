@@ -286,10 +286,11 @@ class Cluster:
             ts = time.time()
             if evict_grace_s is None:
                 pod.lose(self.network)
+                event = "node_lost"
             else:
                 pod.conditions.add(DISRUPTION)
                 pod.terminate(evict_grace_s, time.monotonic())
-            event = "node_lost" if evict_grace_s is None else "pod_evicted"
+                event = "pod_evicted"
             self.record(event, pod=pod.name, hostname=pod.hostname, index=pod.index, ip=pod.ip)
             return ts
 
