@@ -86,7 +86,7 @@ def test_a_throttled_rank_is_a_straggler_and_is_not_restarted(
     rep = goodput.compute(events)
     start, end = injected.ts, injected.ts + WINDOW_S
     during = [x for x in rep.stragglers if x.begin_ts < end and x.end_ts > start]
-    assert [x.rank for x in during] == [1], rep.stragglers
+    assert [x.rank for x in during] == [1], (rep.stragglers, _busy_in(steps, start, end))
     assert during[0].busy_ratio - during[0].others_ratio >= 0.25
     (fault,) = rep.faults
     assert fault.window_s == WINDOW_S and fault.downtime_s == 0.0
@@ -110,6 +110,16 @@ def test_a_throttled_rank_is_a_straggler_and_is_not_restarted(
     if injected.get("cgroup"):
         assert not Path(str(injected.get("cgroup"))).exists()
     _gone(int(injected.get("watcher_pid")))
+
+
+def _busy_in(steps: list, start: float, end: float) -> list[tuple]:
+    """(rank, end from the injection, step s, busy share) of the steps in the window: what
+    the straggler judge saw, for a failure to say."""
+    return [
+        (e.rank, round(e.ts - start, 2), round(e.dur_s, 3), round(e.get("busy_s") / e.dur_s, 2))
+        for e in steps
+        if start <= e.ts <= end + 1.0 and e.dur_s
+    ]
 
 
 def _gone(pid: int, timeout_s: float = 5.0) -> None:

@@ -38,8 +38,10 @@ from typing import Any
 from unbroken.ledger.events import STEP, Event
 from unbroken.ledger.reader import StepDigest
 
-MIN_RATIO = 0.6
-"""Least busy ratio of a straggler (a throttled rank is busy nearly all of each step)."""
+MIN_RATIO = 0.4
+"""Least busy ratio of a straggler. A throttled rank's training thread is busy for most of each
+step, not all of it: it also sleeps while waiting for the rank's own communication thread,
+which waits for the same quota (the run queue time goes to that thread, not this one)."""
 MARGIN = 0.25
 """Least lead of a straggler's busy ratio over the other ranks' median."""
 WINDOW_STEPS = 5
