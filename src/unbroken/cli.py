@@ -147,6 +147,7 @@ BENCHES: dict[str, tuple[str, str]] = {
     "ledger": ("ledger", "cost of a ledger record on the training thread"),
     "recovery": ("recovery", "the published recovery comparison, every layer side by side"),
     "checkpoint": ("checkpoint", "checkpoint stall and efficiency: none, DCP sync/async, ours"),
+    "size": ("size", "checkpoint and restore at gigabytes per rank, against the machine's limits"),
     "writer": ("writer", "what the persisting writer takes from the steps, per its priority"),
     "restart": ("restart", "launcher restart: SIGKILL/SIGSTOP -> training again, vs torchrun"),
     "dashboard": ("dashboard", "what watching a job costs: refresh on a long run, step time"),

@@ -122,3 +122,21 @@ def test_names_that_do_not_fit_the_snapshot_fall_back_to_dcp(
     pending.apply()
     assert _same(ref, fast)
     memory.take((tmp_path / "ckpt").resolve()).close()  # type: ignore[union-attr]
+
+
+def test_telling_a_plain_model_imports_nothing_it_does_not_use() -> None:
+    # torch._dynamo loads lazily on first use of torch._dynamo (~1 s): a restore of a model
+    # nobody compiled must not be the first use.
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, torch\n"
+        "from torch import nn\n"
+        "from unbroken.checkpoint.state import naming\n"
+        "assert naming.plain(nn.Sequential(nn.Linear(2, 2))) is not None\n"
+        "print('torch._dynamo' in sys.modules)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "False"

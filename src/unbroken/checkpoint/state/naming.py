@@ -12,6 +12,8 @@ anything else gets None here and the public calls.
 
 from __future__ import annotations
 
+import sys
+
 import torch
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import _CHECKPOINT_WRAPPED_MODULE
@@ -40,8 +42,8 @@ def plain(model: nn.Module) -> tuple[nn.Module, int] | None:
     when some key needs DCP's renaming."""
     from torch.distributed.fsdp import FullyShardedDataParallel
 
-    dynamo = getattr(torch, "_dynamo", None)
-    compiled = getattr(getattr(dynamo, "eval_frame", None), "OptimizedModule", None)
+    # A compiled model means torch._dynamo is loaded; asking torch for it would import it.
+    compiled = getattr(sys.modules.get("torch._dynamo.eval_frame"), "OptimizedModule", None)
     wrappers: tuple[type, ...] = (DistributedDataParallel, FullyShardedDataParallel)
     if isinstance(compiled, type):
         wrappers = (*wrappers, compiled)

@@ -1,0 +1,380 @@
+"""``unbroken bench size``: checkpoint and restore at gigabytes per rank, against the machine's
+own limits measured in the same run.
+
+One process (a gloo group of one) holds a synthetic per-rank state of each size (``--sizes``,
+GB): flat fp32 shards of ``--shard-mib`` each, as an FSDP rank holds its parameters' and
+optimizer state's shards, every shard filled from its own seed. For each size:
+
+- **limits**: one plain copy of the state into already-touched memory (``memcpy``; the floor of
+  a snapshot) and into fresh memory (``first touch``: what a new arena pays once); writing it
+  to a file in ``--dir`` and fsyncing (``write+fsync``); reading that file back with the page
+  cache dropped when this process may drop it (``read``; else the figure says "cached").
+- **ours** (``Checkpointer``, its defaults: async, memory tier): ``--saves`` saves, each
+  waited for; the stall is how long ``save`` blocked (the first save also faults the arena in,
+  so the median is over the later ones), persist is save to durable; then a restore from the
+  memory tier (what an in-process restart does: the arena kept by ``abort``) and one from disk
+  (a fresh Checkpointer without the memory tier, page cache dropped), each checked against
+  the seeds. Host memory is the staging arena's size over the state's.
+- **dcp-async**: ``dcp.async_save`` with a reused ``DefaultStager`` staging on a thread (its
+  best mode on a CPU), the stall being until staging completes (the state may change only
+  then), persist until the upload completes; restore with ``dcp.load`` from disk. Host memory
+  is the growth of this process's resident memory over the state's.
+- **dcp-async-pinned** (pinned staging, as torchtitan's ``async_with_pinned_mem``): needs CUDA;
+  without it, the row says so.
+
+Targets (issue "Real sizes"): stall <= 1.2 x the memcpy floor, persist >= 0.8 x write+fsync,
+restore from memory >= 0.8 x memcpy bandwidth; the table says which are met.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import shutil
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from unbroken.checkpoint.persisting import forkserver
+
+MIB = 1 << 20
+GB = 1e9
+TARGET_STALL = 1.2
+TARGET_PERSIST = 0.8
+TARGET_RESTORE = 0.8
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--sizes", default="0.25,1,4", help="state per rank in GB, comma-separated (0.25,1,4)"
+    )
+    p.add_argument("--saves", type=int, default=3, help="saves per size and mode (default 3)")
+    p.add_argument("--shard-mib", type=int, default=64, help="MiB per tensor of the state")
+    p.add_argument("--dir", default=None, help="where checkpoints go (default: a temp dir)")
+    p.add_argument("--json", metavar="PATH", help="write the figures as JSON")
+
+
+def main(args: argparse.Namespace) -> int:
+    try:
+        sizes = [float(x) for x in str(args.sizes).split(",") if x.strip()]
+    except ValueError:
+        raise SystemExit(f"--sizes takes GB per rank, e.g. 0.25,1,4; got {args.sizes!r}") from None
+    if not sizes or min(sizes) <= 0:
+        raise SystemExit(f"--sizes needs sizes > 0 GB, got {args.sizes!r}")
+    if args.saves < 2:
+        raise SystemExit(
+            f"--saves must be >= 2 (the first save faults the arena in), got {args.saves}"
+        )
+    base = Path(args.dir) if args.dir else None
+    if base is not None:
+        base.mkdir(parents=True, exist_ok=True)
+    rows = []
+    with (
+        tempfile.TemporaryDirectory(dir=base, prefix="bench-size-") as tmp,
+        forkserver.serving(),  # writers fork from a small process, as under unbroken.run
+    ):
+        _init_group(Path(tmp))
+        try:
+            for gb in sizes:
+                root = Path(tmp) / f"{gb:g}GB"
+                rows.append(measure(int(gb * GB), root, saves=args.saves, shard=args.shard_mib))
+                shutil.rmtree(root, ignore_errors=True)
+        finally:
+            dist.destroy_process_group()
+    print(render(rows))
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=2) + "\n")
+    return 0
+
+
+def _init_group(tmp: Path) -> None:
+    store = dist.FileStore(str(tmp / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1, timeout=timedelta(60))
+
+
+# --- the state -------------------------------------------------------------------------------
+class Shards(torch.nn.Module):
+    """A rank's flat shards, as parameters of a module (loaded in place, as FSDP's are)."""
+
+    def __init__(self, nbytes: int, shard_mib: int) -> None:
+        super().__init__()
+        per = shard_mib * MIB // 4
+        n = max(1, nbytes // 4)
+        for i in range(-(-n // per)):
+            t = _filled(i, min(per, n - i * per))
+            self.register_parameter(f"shard{i:04d}", torch.nn.Parameter(t, requires_grad=False))
+
+    @property
+    def tensors(self) -> list[torch.Tensor]:
+        return [p.data for p in self.parameters()]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors)
+
+    def scramble(self) -> None:
+        """Overwrite every shard, so a restore has something to prove."""
+        for t in self.tensors:
+            t.fill_(-1.0)
+
+    def intact(self) -> bool:
+        """Whether every shard holds the values its seed gives."""
+        return all(torch.equal(t, _filled(i, t.numel())) for i, t in enumerate(self.tensors))
+
+
+def _filled(seed: int, n: int) -> torch.Tensor:
+    return torch.empty(n).uniform_(generator=torch.Generator().manual_seed(seed))
+
+
+# --- the limits ------------------------------------------------------------------------------
+def drop_page_cache() -> bool:
+    """Write dirty pages and drop the page cache (root only); whether it was dropped."""
+    os.sync()
+    try:
+        Path("/proc/sys/vm/drop_caches").write_text("3\n")
+    except OSError:
+        return False
+    return True
+
+
+def limits(state: Shards, root: Path) -> dict[str, Any]:
+    """Copy, write+fsync and read bandwidths (bytes/s) of this state on this machine."""
+    tensors = state.tensors
+    fresh = [torch.empty_like(t) for t in tensors]
+    t0 = time.perf_counter()
+    torch._foreach_copy_(fresh, tensors)
+    first_touch = time.perf_counter() - t0
+    copies = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        torch._foreach_copy_(fresh, tensors)
+        copies.append(time.perf_counter() - t0)
+    del fresh
+    root.mkdir(parents=True, exist_ok=True)
+    writes, reads, dropped = [], [], True
+    for _ in range(2):  # the disk's best of two: a limit, not an average
+        w, r, cold = _disk(tensors, root / "limits.bin")
+        writes.append(w)
+        reads.append(r)
+        dropped = dropped and cold
+    n = state.nbytes
+    return {
+        "memcpy_Bps": n / min(copies),
+        "first_touch_Bps": n / first_touch,
+        "write_fsync_Bps": n / min(writes),
+        "read_Bps": n / min(reads),
+        "read_cold": dropped,
+    }
+
+
+def _disk(tensors: list[torch.Tensor], path: Path) -> tuple[float, float, bool]:
+    """Seconds to write ``tensors`` to ``path`` and fsync, then to read it back (page cache
+    dropped if it may be: the third value)."""
+    t0 = time.perf_counter()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        for t in tensors:
+            view = memoryview(t.numpy()).cast("B")
+            for at in range(0, len(view), 8 * MIB):
+                os.write(fd, view[at : at + 8 * MIB])
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    write_s = time.perf_counter() - t0
+    dropped = drop_page_cache()
+    buf = bytearray(8 * MIB)
+    t0 = time.perf_counter()
+    with open(path, "rb", buffering=0) as f:
+        while f.readinto(buf):
+            pass
+    read_s = time.perf_counter() - t0
+    path.unlink()
+    return write_s, read_s, dropped
+
+
+def _rss() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def _timed(fn: Callable[[], Any]) -> tuple[float, Any]:
+    t0 = time.perf_counter()
+    out = fn()
+    return time.perf_counter() - t0, out
+
+
+# --- the modes -------------------------------------------------------------------------------
+def ours(state: Shards, root: Path, *, saves: int) -> dict[str, Any]:
+    """Our Checkpointer's stalls, persists, arena and restores (memory, disk)."""
+    from unbroken.checkpoint import Checkpointer
+
+    sd = {"model": state}
+    ck = Checkpointer(root, every_steps=1)
+    stalls, persists = [], []
+    for step in range(saves):
+        t0 = time.perf_counter()
+        ck.save(step, sd)
+        stalls.append(time.perf_counter() - t0)
+        if not ck.wait():
+            raise RuntimeError(f"our save of step {step} failed: {ck.storage.last_error}")
+        persists.append(time.perf_counter() - t0)
+    arena = ck.staging_bytes
+    ck.abort()  # the arena goes to the memory tier, as in an in-process restart
+    state.scramble()
+    drop_page_cache()
+    ck = Checkpointer(root, every_steps=1, memory_tier=False)  # leaves the memory tier be
+    disk_s, step = _timed(lambda: ck.restore(sd))
+    disk_ok = step == saves - 1 and state.intact()
+    ck.close()
+    state.scramble()
+    ck = Checkpointer(root, every_steps=1)
+    mem_s, step = _timed(lambda: ck.restore(sd))
+    mem_ok = step == saves - 1 and state.intact()
+    ck.close()
+    return {
+        "mode": "ours",
+        "stall_s": stalls,
+        "persist_s": persists,
+        "host_bytes": arena,
+        "restore_memory_s": mem_s,
+        "restore_memory_ok": mem_ok,
+        "restore_disk_s": disk_s,
+        "restore_disk_ok": disk_ok,
+    }
+
+
+def dcp_async(state: Shards, root: Path, *, saves: int, pinned: bool) -> dict[str, Any]:
+    """``dcp.async_save`` with a reused stager: stalls (to staged), persists, restore (disk)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+    mode = "dcp-async-pinned" if pinned else "dcp-async"
+    if pinned and not torch.cuda.is_available():
+        return {"mode": mode, "skipped": "pinned staging needs CUDA; none here"}
+    stager = DefaultStager(StagingOptions(pinned, False, True, pinned))
+    rss0 = _rss()
+    stalls, persists = [], []
+    try:
+        for step in range(saves):
+            t0 = time.perf_counter()
+            resp = dcp.async_save(
+                {"model": state.state_dict()},
+                checkpoint_id=root / mode / f"step-{step}",
+                async_stager=stager,
+            )
+            resp.staging_completion.result()
+            stalls.append(time.perf_counter() - t0)
+            resp.upload_completion.result()
+            persists.append(time.perf_counter() - t0)
+        host = max(0, _rss() - rss0)
+    finally:
+        stager.close()
+    gc.collect()
+    state.scramble()
+    drop_page_cache()
+    load_s, _ = _timed(
+        lambda: dcp.load(
+            {"model": state.state_dict()}, checkpoint_id=root / mode / f"step-{saves - 1}"
+        )
+    )
+    return {
+        "mode": mode,
+        "stall_s": stalls,
+        "persist_s": persists,
+        "host_bytes": host,
+        "restore_memory_s": None,
+        "restore_disk_s": load_s,
+        "restore_disk_ok": state.intact(),
+    }
+
+
+def measure(nbytes: int, root: Path, *, saves: int, shard: int) -> dict[str, Any]:
+    """Every figure of one state size (see the module docstring)."""
+    state = Shards(nbytes, shard)
+    lim = limits(state, root)
+    modes = [ours(state, root / "ours", saves=saves)]
+    gc.collect()
+    modes.append(dcp_async(state, root, saves=saves, pinned=False))
+    gc.collect()
+    modes.append(dcp_async(state, root, saves=saves, pinned=True))
+    out = {
+        "state_bytes": state.nbytes,
+        "tensors": len(state.tensors),
+        "limits": lim,
+        "modes": modes,
+    }
+    for m in modes:
+        if "skipped" not in m:
+            m.update(_judged(m, state.nbytes, lim))
+    return out
+
+
+def _judged(m: dict[str, Any], n: int, lim: dict[str, Any]) -> dict[str, Any]:
+    """Steady figures (medians over the saves after the first) and the targets' verdicts."""
+    stall = statistics.median(m["stall_s"][1:])
+    persist = statistics.median(m["persist_s"][1:])
+    floor = n / lim["memcpy_Bps"]
+    out: dict[str, Any] = {
+        "stall_median_s": stall,
+        "stall_first_s": m["stall_s"][0],
+        "stall_over_floor": stall / floor,
+        "persist_median_s": persist,
+        "persist_over_disk": (n / persist) / lim["write_fsync_Bps"],
+        "host_over_state": m["host_bytes"] / n,
+    }
+    out["stall_target_met"] = out["stall_over_floor"] <= TARGET_STALL
+    out["persist_target_met"] = out["persist_over_disk"] >= TARGET_PERSIST
+    if m.get("restore_memory_s") is not None:
+        out["restore_memory_over_memcpy"] = (n / m["restore_memory_s"]) / lim["memcpy_Bps"]
+        out["restore_target_met"] = out["restore_memory_over_memcpy"] >= TARGET_RESTORE
+    return out
+
+
+# --- the table -------------------------------------------------------------------------------
+def render(rows: list[dict[str, Any]]) -> str:
+    """The figures as text: per size, its limits, then one line per mode."""
+    lines = []
+    for r in rows:
+        n, lim = r["state_bytes"], r["limits"]
+        cold = "cache dropped" if lim["read_cold"] else "cached: could not drop the page cache"
+        lines += [
+            f"state {n / GB:.2f} GB per rank ({r['tensors']} tensors)",
+            f"  limits: memcpy {lim['memcpy_Bps'] / GB:.2f} GB/s (first touch "
+            f"{lim['first_touch_Bps'] / GB:.2f}), write+fsync {lim['write_fsync_Bps'] / GB:.2f} "
+            f"GB/s, read {lim['read_Bps'] / GB:.2f} GB/s ({cold})",
+            "  mode              stall s (x floor)  first stall s  persist s (x disk)  "
+            "restore mem s (x memcpy)  restore disk s  host mem x state  restores exact",
+        ]
+        for m in r["modes"]:
+            if "skipped" in m:
+                lines.append(f"  {m['mode']:<17} not run: {m['skipped']}")
+                continue
+            mem = (
+                f"{m['restore_memory_s']:.3f} ({m['restore_memory_over_memcpy']:.2f})"
+                if m.get("restore_memory_s") is not None
+                else "-"
+            )
+            exact = all(m.get(k, True) for k in ("restore_memory_ok", "restore_disk_ok"))
+            lines.append(
+                f"  {m['mode']:<17} {m['stall_median_s']:.3f} ({m['stall_over_floor']:.1f})"
+                f"{'':>6} {m['stall_first_s']:>9.3f}  {m['persist_median_s']:>9.3f} "
+                f"({m['persist_over_disk']:.2f})  {mem:>22}  {m['restore_disk_s']:>14.3f}  "
+                f"{m['host_over_state']:>16.2f}  {'yes' if exact else 'NO'}"
+            )
+        lines.append("")
+    lines.append(
+        f"targets: stall <= {TARGET_STALL} x memcpy floor; persist >= {TARGET_PERSIST} x "
+        f"write+fsync; restore from memory >= {TARGET_RESTORE} x memcpy bandwidth"
+    )
+    return "\n".join(lines)
