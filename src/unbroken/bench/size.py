@@ -183,7 +183,7 @@ def _disk(tensors: list[torch.Tensor], path: Path) -> tuple[float, float, bool]:
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     try:
         for t in tensors:
-            view = memoryview(t.numpy()).cast("B")
+            view = memoryview(t.numpy()).cast("B")  # type: ignore[arg-type]
             for at in range(0, len(view), 8 * MIB):
                 os.write(fd, view[at : at + 8 * MIB])
         os.fsync(fd)
@@ -268,7 +268,7 @@ def dcp_async(state: Shards, root: Path, *, saves: int, pinned: bool) -> dict[st
     try:
         for step in range(saves):
             t0 = time.perf_counter()
-            resp = dcp.async_save(
+            resp: Any = dcp.async_save(  # an AsyncSaveResponse, with a stager
                 {"model": state.state_dict()},
                 checkpoint_id=root / mode / f"step-{step}",
                 async_stager=stager,
