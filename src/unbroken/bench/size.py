@@ -22,6 +22,9 @@ optimizer state's shards, every shard filled from its own seed. For each size:
 - **dcp-async-pinned** (pinned staging, as torchtitan's ``async_with_pinned_mem``): needs CUDA;
   without it, the row says so.
 
+``--device cuda`` puts the state in GPU memory: staging is then a device-to-host copy, its floor
+a copy into pinned host memory, and the pinned DCP row runs (``scripts/gpu_check.sh``).
+
 Targets (issue "Real sizes"): stall <= 1.2 x the memcpy floor, persist >= 0.8 x write+fsync,
 restore from memory >= 0.8 x memcpy bandwidth; the table says which are met.
 """
@@ -29,6 +32,7 @@ restore from memory >= 0.8 x memcpy bandwidth; the table says which are met.
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import json
 import os
@@ -61,6 +65,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shard-mib", type=int, default=64, help="MiB per tensor of the state")
     p.add_argument("--dir", default=None, help="where checkpoints go (default: a temp dir)")
     p.add_argument("--json", metavar="PATH", help="write the figures as JSON")
+    p.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="where the state lives (cuda: staging is a device-to-host copy)",
+    )
 
 
 def main(args: argparse.Namespace) -> int:
@@ -74,6 +84,9 @@ def main(args: argparse.Namespace) -> int:
         raise SystemExit(
             f"--saves must be >= 2 (the first save faults the arena in), got {args.saves}"
         )
+    device = args.device
+    if device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: torch sees no CUDA device here; use --device cpu")
     base = Path(args.dir) if args.dir else None
     if base is not None:
         base.mkdir(parents=True, exist_ok=True)
@@ -86,7 +99,11 @@ def main(args: argparse.Namespace) -> int:
         try:
             for gb in sizes:
                 root = Path(tmp) / f"{gb:g}GB"
-                rows.append(measure(int(gb * GB), root, saves=args.saves, shard=args.shard_mib))
+                rows.append(
+                    measure(
+                        int(gb * GB), root, saves=args.saves, shard=args.shard_mib, device=device
+                    )
+                )
                 shutil.rmtree(root, ignore_errors=True)
         finally:
             dist.destroy_process_group()
@@ -105,12 +122,12 @@ def _init_group(tmp: Path) -> None:
 class Shards(torch.nn.Module):
     """A rank's flat shards, as parameters of a module (loaded in place, as FSDP's are)."""
 
-    def __init__(self, nbytes: int, shard_mib: int) -> None:
+    def __init__(self, nbytes: int, shard_mib: int, device: str = "cpu") -> None:
         super().__init__()
         per = shard_mib * MIB // 4
         n = max(1, nbytes // 4)
         for i in range(-(-n // per)):
-            t = _filled(i, min(per, n - i * per))
+            t = _filled(i, min(per, n - i * per)).to(device)
             self.register_parameter(f"shard{i:04d}", torch.nn.Parameter(t, requires_grad=False))
 
     @property
@@ -128,7 +145,7 @@ class Shards(torch.nn.Module):
 
     def intact(self) -> bool:
         """Whether every shard holds the values its seed gives."""
-        return all(torch.equal(t, _filled(i, t.numel())) for i, t in enumerate(self.tensors))
+        return all(torch.equal(t.cpu(), _filled(i, t.numel())) for i, t in enumerate(self.tensors))
 
 
 def _filled(seed: int, n: int) -> torch.Tensor:
@@ -147,25 +164,23 @@ def drop_page_cache() -> bool:
 
 
 def limits(state: Shards, root: Path) -> dict[str, Any]:
-    """Copy, write+fsync and read bandwidths (bytes/s) of this state on this machine."""
+    """Copy, write+fsync and read bandwidths (bytes/s) of this state on this machine. On a
+    GPU the copy is device to pinned host memory: the floor of staging there."""
     tensors = state.tensors
-    fresh = [torch.empty_like(t) for t in tensors]
-    t0 = time.perf_counter()
-    torch._foreach_copy_(fresh, tensors)
-    first_touch = time.perf_counter() - t0
-    copies = []
-    for _ in range(3):
-        t0 = time.perf_counter()
-        torch._foreach_copy_(fresh, tensors)
-        copies.append(time.perf_counter() - t0)
-    del fresh
+    cuda = tensors[0].is_cuda
+    fresh = [torch.empty(t.shape, dtype=t.dtype, pin_memory=cuda) for t in tensors]
+    copy = functools.partial(_copy, fresh, tensors)
+    first_touch, _ = _timed(copy)
+    copies = [_timed(copy)[0] for _ in range(3)]
+    host = fresh if cuda else tensors
     root.mkdir(parents=True, exist_ok=True)
     writes, reads, dropped = [], [], True
     for _ in range(2):  # the disk's best of two: a limit, not an average
-        w, r, cold = _disk(tensors, root / "limits.bin")
+        w, r, cold = _disk(host, root / "limits.bin")
         writes.append(w)
         reads.append(r)
         dropped = dropped and cold
+    del copy, fresh, host
     n = state.nbytes
     return {
         "memcpy_Bps": n / min(copies),
@@ -174,6 +189,12 @@ def limits(state: Shards, root: Path) -> dict[str, Any]:
         "read_Bps": n / min(reads),
         "read_cold": dropped,
     }
+
+
+def _copy(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
+    torch._foreach_copy_(dsts, srcs)
+    if srcs[0].is_cuda:
+        torch.cuda.synchronize()
 
 
 def _disk(tensors: list[torch.Tensor], path: Path) -> tuple[float, float, bool]:
@@ -299,9 +320,11 @@ def dcp_async(state: Shards, root: Path, *, saves: int, pinned: bool) -> dict[st
     }
 
 
-def measure(nbytes: int, root: Path, *, saves: int, shard: int) -> dict[str, Any]:
+def measure(
+    nbytes: int, root: Path, *, saves: int, shard: int, device: str = "cpu"
+) -> dict[str, Any]:
     """Every figure of one state size (see the module docstring)."""
-    state = Shards(nbytes, shard)
+    state = Shards(nbytes, shard, device)
     lim = limits(state, root)
     modes = [ours(state, root / "ours", saves=saves)]
     gc.collect()
