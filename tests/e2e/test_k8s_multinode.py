@@ -164,6 +164,39 @@ def test_a_drained_node_is_a_preemption_the_job_saves_at_then_goes_on_with_the_s
     assert res.steps_lost == 0 and res.recovery_s is not None
 
 
+def test_every_pod_evicted_at_once_the_job_saves_then_new_pods_resume_from_that_step(
+    clean_hash: str, tmp_path: Path
+) -> None:
+    """The whole job stopped: every pod of the Job evicted at once (its pods deleted, every
+    node drained). Every rank saves the same step durably before the grace runs out; the Job
+    replaces the pods; the new ones form a new round and resume from that step: no step trained
+    twice, the fault-free weights."""
+    run_ = dataclasses.replace(JOB, lose="all", drain=True)
+    res = run_node_loss(run_, tmp_path)
+    assert res.status == "Complete", res.history[-5:]
+    assert res.final_state_sha256 == clean_hash
+    assert res.lost_ts is not None and res.lost_host == "all"
+    events = read_events(res.run_dir)
+    saves = [e for e in events if e.kind == "phase" and e.get("name") == "preemption"]
+    assert {e.rank for e in saves} == set(range(6)) and all(e.get("durable") for e in saves)
+    [saved] = {int(e.get("step")) for e in saves}
+    steps = [int(e.get("step")) for e in events if e.kind == "step" and e.rank == 0]
+    assert sorted(steps) == [s for s in range(STEPS) if s != saved]  # none twice
+    # Every original pod ended evicted; every rank of the new pods restored the saved step.
+    first_ends: dict[str, dict] = {}
+    for h in res.history:
+        if h["event"] == "pod_ended" and h["owner"] == "Job/ft":
+            first_ends.setdefault(h["hostname"], h)
+    assert set(first_ends) == {"ft-0", "ft-1", "ft-2"}
+    assert all(h["exit_code"] == 143 for h in first_ends.values()), first_ends
+    assert all("DisruptionTarget" in h["conditions"] for h in first_ends.values())
+    loads = [e for e in events if e.kind == "ckpt_load" and e.ts > res.lost_ts]
+    assert {e.rank for e in loads} == set(range(6)) and {e.get("step") for e in loads} == {saved}
+    started = [h for h in res.history if h["event"] == "pod_started" and h["owner"] == "Job/ft"]
+    assert len(started) == 6  # three pods, then their three replacements
+    assert res.steps_lost == 0 and res.recovery_s is not None
+
+
 def test_the_store_pod_lost_then_a_node_lost_the_job_continues(
     clean_hash: str, tmp_path: Path
 ) -> None:

@@ -64,6 +64,7 @@ def test_injected_kinds_map_to_the_classes_the_study_names() -> None:
         "oom-kill": "crash",
         "sigterm": "crash",
         "node-loss": "node",
+        "node-drain": "node",  # the emulated cluster evicts a pod
         "slow-storage": "storage",
         "checkpoint-corruption": "storage",
     }

@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from unbroken.bench.k8s_tail import LedgerTail
+from unbroken.bench.k8s_tail import LedgerTail, drain_outage
 from unbroken.bench.k8s_workdir import fresh_workdir, not_ours
 from unbroken.bench.netfaults import NetworkFaults
 from unbroken.k8s import render
@@ -72,7 +72,8 @@ class NodeLoss:
     """Hot spare pods."""
     lose: str | None = "index:1"
     """"index:N" (the pod of index N), "group-rank:N" (the node of that rank in the current
-    round), or None (no loss)."""
+    round), "all" (every pod of the Job at once: with ``drain``, the whole job stopped, as when
+    its pods are deleted or every node is drained; the Job replaces them), or None (no loss)."""
     at_step: int = 10
     """The node is lost once rank 0 completed this step."""
     drain: bool = False
@@ -114,8 +115,10 @@ class NodeLoss:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.spares < 0 or (self.spares and self.baseline):
             raise ValueError(f"spares must be >= 0, and 0 for the baseline, got {self.spares}")
-        if self.lose is not None and not re.match(r"^(index|group-rank):\d+$", self.lose):
-            raise ValueError(f"lose must be index:N or group-rank:N, got {self.lose!r}")
+        if self.lose is not None and not re.match(r"^(index|group-rank):\d+$|^all$", self.lose):
+            raise ValueError(f"lose must be index:N, group-rank:N or all, got {self.lose!r}")
+        if self.lose == "all" and self.baseline:
+            raise ValueError("lose='all' is for unbroken's manifests, not the baseline")
         if not 0 <= self.at_step < self.steps:
             raise ValueError(f"at_step must be in [0, steps={self.steps}), got {self.at_step}")
         if self.lose_store_at_step is not None and (
@@ -246,26 +249,6 @@ def emulated_cluster(
     return cluster
 
 
-def drain_outage(events: list[Any], since: float) -> float | None:
-    """A drain's outage: the job trains on until the step every rank saves, so the figure is
-    from the last rank's end of that save (its ``preemption`` phase) to every rank having
-    completed a step in the next round (None without both)."""
-    ends = [e.ts for e in events if e.kind == ev.RESTART_END and e.rank == ev.LAUNCHER_RANK]
-    restart = min((t for t in ends if t > since), default=None)
-    if restart is None:
-        return None
-    saved = [
-        e.ts
-        for e in events
-        if e.kind == ev.PHASE and e.get("name") == "preemption" and since < e.ts < restart
-    ]
-    firsts: dict[int, float] = {}
-    for e in events:
-        if e.kind == ev.STEP and e.ts > restart:
-            firsts[e.rank] = min(firsts.get(e.rank, e.ts), e.ts)
-    return max(firsts.values()) - max(saved) if saved and firsts else None
-
-
 def run_node_loss(run: NodeLoss, workdir: Path) -> NodeLossResult:
     """Run ``run`` on a fresh emulated cluster under ``workdir`` (an earlier run there is
     replaced: ``fresh_workdir``); the cluster is gone after."""
@@ -296,9 +279,14 @@ def run_node_loss(run: NodeLoss, workdir: Path) -> NodeLossResult:
             if store_at is not None:
                 ready = ready and len(tail.rejoined()) >= run.nodes + run.spares
             if ready and tail.step(0) >= run.at_step:
-                res.lost_host = _target(run, cluster, tail)
                 grace = TERMINATION_GRACE_S if run.drain else None
-                res.lost_ts = cluster.lose(cluster.pod(res.lost_host), evict_grace_s=grace)
+                if run.lose == "all":
+                    res.lost_host = "all"
+                    pods = cluster.running(owner=f"Job/{run.name}")
+                    res.lost_ts = min(cluster.lose(p, evict_grace_s=grace) for p in pods)
+                else:
+                    res.lost_host = _target(run, cluster, tail)
+                    res.lost_ts = cluster.lose(cluster.pod(res.lost_host), evict_grace_s=grace)
             time.sleep(0.01)
         if res.lost_ts is not None:
             ledger = Ledger(run_dir, run=run.name, rank=ev.LAUNCHER_RANK)
@@ -361,7 +349,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--lose",
         default="group-rank:0",
-        help="which node: index:N (a pod index) or group-rank:N (a rank in the current round)",
+        help="which node: index:N (a pod index), group-rank:N (a rank in the current round), "
+        "or all (every pod of the Job at once)",
     )
     p.add_argument(
         "--drain",
@@ -408,7 +397,18 @@ def main(a: argparse.Namespace) -> int:
     if store_at is not None and not 0 <= store_at < a.at_step:  # before a run, not after one
         print(f"error: --lose-store-at-step must be in [0, --at-step={a.at_step})", file=sys.stderr)
         return 2
-    for name in configs:  # before the first run: a foreign directory fails at once
+    try:  # before the first run: bad arguments and a foreign directory fail at once
+        NodeLoss(lose=a.lose, drain=a.drain, steps=a.steps, at_step=a.at_step)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if a.lose == "all" and "baseline" in configs:
+        print(
+            "error: --lose all stops unbroken's job; leave baseline out of --configs",
+            file=sys.stderr,
+        )
+        return 2
+    for name in configs:
         why = not_ours(out / name)
         if why is not None:
             print(f"error: {why}", file=sys.stderr)

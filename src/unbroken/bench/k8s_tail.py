@@ -1,11 +1,12 @@
 """What the node-loss benchmark reads of a running job: its ledger, tailed (new complete lines
 only), asked for the step rank 0 reached, the agents that reached or re-joined the rendezvous
-store, and the host of a group rank.
+store, and the host of a group rank; and, after it, a drain's outage (``drain_outage``).
 """
 
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -76,3 +77,27 @@ class LedgerTail:
             (r.get("host") for r in rounds if r["round"] == last and r["group_rank"] == group_rank),
             None,
         )
+
+
+def drain_outage(events: list[Any], since: float) -> float | None:
+    """A drain's outage: the job trains on until the step every rank saves, so the figure is
+    from the last rank's end of that save (its ``preemption`` phase) to every rank having
+    completed a step in the next round (None without both). The next round is the survivors'
+    restart; when every pod was drained (no agent survived to restart), the new pods'."""
+    ends = [e.ts for e in events if e.kind == ev.RESTART_END and e.rank == ev.LAUNCHER_RANK]
+    restart = min((t for t in ends if t > since), default=None)
+    saved = [
+        e.ts
+        for e in events
+        if e.kind == ev.PHASE
+        and e.get("name") == "preemption"
+        and since < e.ts < (restart if restart is not None else math.inf)
+    ]
+    if not saved:
+        return None
+    start = restart if restart is not None else max(saved)
+    firsts: dict[int, float] = {}
+    for e in events:
+        if e.kind == ev.STEP and e.ts > start:
+            firsts[e.rank] = min(firsts.get(e.rank, e.ts), e.ts)
+    return max(firsts.values()) - max(saved) if firsts else None

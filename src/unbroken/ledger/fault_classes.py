@@ -5,7 +5,7 @@ A fault's *class* groups the ways a job breaks by what recovering from it takes:
 - ``exception``: Python raised (the in-process restart's case);
 - ``hang``: a rank stopped making progress, in Python, a collective or native code;
 - ``crash``: a process died (SIGKILL, SIGSEGV, an OOM kill, SIGTERM, a non-zero exit);
-- ``node``: a whole node went away (its launcher agent with it);
+- ``node``: a whole node went away (its launcher agent with it), lost or drained;
 - ``storage``: checkpoint storage was slow or its data corrupt;
 - ``degradation``: the job got slower without breaking (a slow rank, a degraded network);
 - ``other``: anything else (a rendezvous or process-group failure, an unknown cause).
@@ -57,6 +57,7 @@ INJECTED_CLASSES: dict[str, str] = {
     "segfault": "crash",
     "oom-kill": "crash",
     "node-loss": "node",
+    "node-drain": "node",  # the emulated cluster's (``unbroken bench k8s --drain``)
     "slow-storage": "storage",
     "storage-fail": "storage",
     "checkpoint-corruption": "storage",
