@@ -174,3 +174,18 @@ def test_the_stop_grace_covers_two_steps_and_one_durable_save_doubled(capsys) ->
     assert cfg.stop_grace_s == pytest.approx(2 * (2 * 1.5 + cfg.stage_s + 16.0))
     assert cli.main(["plan", "--steps", "100", "--trials", "1", "--state-bytes", "160e9"]) == 0
     assert "a stop grace of at least" in capsys.readouterr().out
+
+
+def test_the_memory_tier_per_node_is_what_the_checkpointer_and_the_peer_replica_hold() -> None:
+    from unbroken.checkpoint import CheckpointConfig
+    from unbroken.checkpoint.tiers import peers
+
+    cfg = PlanConfig()
+    assert cfg.memory_slots == CheckpointConfig().memory_slots
+    assert cfg.replica_slots == peers._REPLICA_REGIONS
+    shard_node = cfg.shard_bytes * cfg.gpus_per_node
+    assert cfg.nodes > 1 and cfg.memory_tier_bytes_per_node == 5 * shard_node
+    one = PlanConfig(nodes=1)  # no peer replica on one node
+    assert one.memory_tier_bytes_per_node == 3 * one.shard_bytes * one.gpus_per_node
+    with pytest.raises(ValueError, match="memory_slots must be >= 1"):
+        PlanConfig(memory_slots=0)

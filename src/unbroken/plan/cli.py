@@ -38,6 +38,8 @@ _NUMBERS = (
     ("stage_bytes_per_s", float),
     ("ckpt_every_steps", int),
     ("memory_every_steps", int),
+    ("memory_slots", int),
+    ("replica_slots", int),
     ("startup_s", float),
     ("exception_detection_s", float),
     ("hang_timeout_s", float),

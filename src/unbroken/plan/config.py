@@ -73,6 +73,10 @@ class PlanConfig:
     """Snapshots in host memory (local, and a peer's copy) that restores use when they survive."""
     memory_every_steps: int | None = None
     """Steps between memory-tier snapshots; None: the best interval."""
+    memory_slots: int = 3
+    """Copies of its shard each rank's staging arena holds (the Checkpointer's memory_slots)."""
+    replica_slots: int = 2
+    """Copies of another node's shard each rank's peer replica holds (multi-node jobs)."""
     measured_stall: float | None = None
     """Blocking checkpoint seconds per second of steps, measured; None: from the sizes."""
     save_stage_s: float | None = None
@@ -148,6 +152,11 @@ class PlanConfig:
             )
         if not 0 < self.spare_target < 1:
             raise ValueError(f"spare_target must lie in (0, 1), got {self.spare_target!r}")
+        if self.memory_slots < 1 or self.replica_slots < 0:
+            raise ValueError(
+                f"memory_slots must be >= 1 and replica_slots >= 0, got {self.memory_slots} "
+                f"and {self.replica_slots}"
+            )
         for name in ("ckpt_every_steps", "memory_every_steps"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
@@ -190,6 +199,13 @@ class PlanConfig:
     def gpus(self) -> int:
         """GPUs in the job: nodes x GPUs per node."""
         return self.nodes * self.gpus_per_node
+
+    @property
+    def memory_tier_bytes_per_node(self) -> float:
+        """Host memory the memory tier takes on one node: every rank's arena, and in a
+        multi-node job the replica of the previous node's ranks."""
+        slots = self.memory_slots + (self.replica_slots if self.nodes > 1 else 0)
+        return slots * self.shard_bytes * self.gpus_per_node
 
     @property
     def shard_bytes(self) -> float:

@@ -330,7 +330,7 @@ def predict(cfg: PlanConfig, layering: str) -> Prediction:
         memory_every_steps=m if memory else None,
         stall=s,
         hot_spares=spares,
-        memory_tier_bytes_per_node=2 * cfg.shard_bytes * cfg.gpus_per_node if memory else 0.0,
+        memory_tier_bytes_per_node=cfg.memory_tier_bytes_per_node if memory else 0.0,
         costs=tuple(
             FaultCost(**{**asdict(c), "count": n}) for n, c in zip(counts, costs, strict=True)
         ),
