@@ -234,7 +234,7 @@ def build_parser() -> argparse.ArgumentParser:
         "doctor",
         help="check this machine before a job runs on it, and say what to fix",
         description="Check this machine before a job runs on it: torch and its backends, "
-        "/dev/shm and memory against the staging the job needs, the checkpoint file system, "
+        "memory against the staging the job needs, /dev/shm, the checkpoint file system, "
         "cgroups, network namespaces, ports, clocks. One line per check: ok, warn, FAIL or "
         "skip, what was found and what to do.",
         epilog="Exit codes: 0 nothing failed (warnings allowed), "

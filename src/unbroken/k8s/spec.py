@@ -70,7 +70,8 @@ class DeploySpec:
     memory: str | None = None
     """Memory request of a node pod (such as "64Gi"); None: none."""
     shm_size: str = "8Gi"
-    """Size limit of /dev/shm, a memory emptyDir (checkpoint staging and data loaders use it)."""
+    """Size limit of /dev/shm, a memory emptyDir (data loaders and NCCL use it; the checkpoint
+    staging is a memfd, not in it, and counts toward ``memory``)."""
     checkpoint_claim: str | None = None
     """An existing ReadWriteMany PersistentVolumeClaim for checkpoints and the ledger; None: a
     claim "<name>-ckpt" is rendered too."""
