@@ -32,6 +32,9 @@ def test_every_mode_restores_the_state_exactly_and_is_set_against_the_limits(
     assert list(modes) == ["ours", "dcp-async", "dcp-async-pinned"]
     ours, dcp = modes["ours"], modes["dcp-async"]
     assert ours["restore_memory_ok"] and ours["restore_disk_ok"] and dcp["restore_disk_ok"]
+    # The peer tier: replicated to the next node's service, restored from there (only there).
+    peer = ours["peer"]
+    assert peer["ok"] and peer["replicate_s"] > 0 and peer["restore_s"] > 0
     for m in (ours, dcp):
         assert len(m["stall_s"]) == len(m["persist_s"]) == 2
         assert all(0 < s <= p for s, p in zip(m["stall_s"], m["persist_s"], strict=True))
@@ -47,3 +50,4 @@ def test_every_mode_restores_the_state_exactly_and_is_set_against_the_limits(
     assert "state 0.01 GB per rank (3 tensors)" in res.stdout
     assert "not run: pinned staging needs CUDA" in res.stdout or torch.cuda.is_available()
     assert "targets: stall <= 1.2 x memcpy floor" in res.stdout
+    assert "peer tier: replicated" in res.stdout and "exact: yes" in res.stdout

@@ -14,7 +14,9 @@ optimizer state's shards, every shard filled from its own seed. For each size:
   so the median is over the later ones), persist is save to durable; then a restore from the
   memory tier (what an in-process restart does: the arena kept by ``abort``) and one from disk
   (a fresh Checkpointer without the memory tier, page cache dropped), each checked against
-  the seeds. Host memory is the staging arena's size over the state's.
+  the seeds. Host memory is the staging arena's size over the state's. Then the peer tier:
+  a snapshot replicated to the next node's peer service (two services on loopback), and a
+  fresh Checkpointer with nothing in its memory restoring it from there (where memory allows).
 - **dcp-async**: ``dcp.async_save`` with a reused ``DefaultStager`` staging on a thread (its
   best mode on a CPU), the stall being until staging completes (the state may change only
   then), persist until the upload completes; restore with ``dcp.load`` from disk. Host memory
@@ -275,6 +277,57 @@ def ours(state: Shards, root: Path, *, saves: int) -> dict[str, Any]:
     }
 
 
+def ours_peer(state: Shards, root: Path) -> dict[str, Any]:
+    """A snapshot replicated to the next node's peer service (two services on loopback stand
+    for two nodes) and a fresh Checkpointer with nothing in its own memory restoring it from
+    there: how long the replica took after the snapshot, and the restore."""
+    from unbroken.checkpoint import CheckpointConfig, Checkpointer
+    from unbroken.checkpoint.tiers.peers import PeerService
+    from unbroken.ledger import Ledger, read_events
+
+    # the state, our arena, the replica (2 regions) and the arena it is fetched into
+    need = state.nbytes * (1 + CheckpointConfig().memory_slots + 2 + 1)
+    avail = _available()
+    if avail is not None and need > 0.8 * avail:
+        return {"skipped": f"needs {need / GB:.1f} GB of memory here, {avail / GB:.1f} available"}
+    sd = {"model": state}
+    services = [PeerService(host="127.0.0.1", bind="127.0.0.1") for _ in range(2)]
+    addrs = tuple(str(s.peer) for s in services)
+    ledger = Ledger(root / "run", run="bench-size", rank=0)
+    try:
+        ck = Checkpointer(root, every_steps=1, peers=addrs, peer_index=0, ledger=ledger)
+        ck.save(0, sd)  # durable; step 1 is in memory only, so a restore of 1 is the peer's
+        ck.wait()
+        t0 = time.perf_counter()
+        ck.snapshot(1, sd)
+        while 1 not in next(iter(services[1].held().values()), []):
+            if time.perf_counter() - t0 > 600:
+                raise RuntimeError("the snapshot never reached the next node's peer service")
+            time.sleep(0.001)
+        replicate_s = time.perf_counter() - t0
+        ck.close()  # its arena freed: nothing of it stays in this process's memory
+        state.scramble()
+        t0 = time.perf_counter()  # a new Checkpointer fetches the peer's copy as it starts
+        ck = Checkpointer(root, every_steps=1, peers=addrs, peer_index=1, ledger=ledger)
+        step = ck.restore(sd)
+        peer_s = time.perf_counter() - t0
+        ok = step == 1 and state.intact()
+        ck.close()
+    finally:
+        for s in services:
+            s.close()
+        ledger.close()
+    tiers = [e.get("tier") for e in read_events(root / "run") if e.kind == "ckpt_load"]
+    return {"replicate_s": replicate_s, "restore_s": peer_s, "ok": ok and tiers == ["peer"]}
+
+
+def _available() -> float | None:
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) * 1024.0
+    return None
+
+
 def dcp_async(state: Shards, root: Path, *, saves: int, pinned: bool) -> dict[str, Any]:
     """``dcp.async_save`` with a reused stager: stalls (to staged), persists, restore (disk)."""
     import torch.distributed.checkpoint as dcp
@@ -327,6 +380,8 @@ def measure(
     state = Shards(nbytes, shard, device)
     lim = limits(state, root)
     modes = [ours(state, root / "ours", saves=saves)]
+    gc.collect()
+    modes[0]["peer"] = ours_peer(state, root / "peer")
     gc.collect()
     modes.append(dcp_async(state, root, saves=saves, pinned=False))
     gc.collect()
@@ -395,6 +450,16 @@ def render(rows: list[dict[str, Any]]) -> str:
                 f"({m['persist_over_disk']:.2f})  {mem:>22}  {m['restore_disk_s']:>14.3f}  "
                 f"{m['host_over_state']:>16.2f}  {'yes' if exact else 'NO'}"
             )
+            peer = m.get("peer")
+            if peer is not None:
+                lines.append(
+                    f"  {'':<17} peer tier: not run: {peer['skipped']}"
+                    if "skipped" in peer
+                    else f"  {'':<17} peer tier: replicated {peer['replicate_s']:.3f} s after "
+                    f"the snapshot, restored from it in {peer['restore_s']:.3f} s "
+                    f"({n / peer['restore_s'] / GB:.2f} GB/s), exact: "
+                    f"{'yes' if peer['ok'] else 'NO'}"
+                )
         lines.append("")
     lines.append(
         f"targets: stall <= {TARGET_STALL} x memcpy floor; persist >= {TARGET_PERSIST} x "
