@@ -67,7 +67,8 @@ from unbroken.checkpoint.persisting.hooks import WriterHooks, offered
 from unbroken.checkpoint.persisting.inflight import CheckpointStats
 from unbroken.checkpoint.restoring.restore import restore_recorded
 from unbroken.checkpoint.save import Saves
-from unbroken.checkpoint.schedule.adaptive import AdaptiveSaves
+from unbroken.checkpoint.schedule.adaptive import AdaptiveSaves, max_over_ranks
+from unbroken.checkpoint.schedule.snapshots import AutoSnapshots
 from unbroken.checkpoint.tiers import tiers
 from unbroken.ledger import NULL, Recorder, owner, phases
 from unbroken.ledger.active import current as active_ledger
@@ -104,7 +105,7 @@ class Checkpointer:
         overlap: Copy parameters and optimizer state while the next forward/backward runs.
         memory_tier: Keep the newest snapshots in memory, to restore from there.
         snapshot_every: ``maybe_save`` also snapshots to memory after every this many
-            completed steps (0: only at durable saves); needs ``memory_tier``.
+            completed steps (0: as ``snapshot_budget`` allows); needs ``memory_tier``.
         rescue: With the memory tier, ``note`` the steps not staged (rescued after a fault).
         memory_keeper: Address of the node agent's memory keeper ("": none).
         peers: Every node's peer memory service, in node order (empty: no peer tier).
@@ -181,6 +182,7 @@ class Checkpointer:
             staging=staging,
         )
         self._adaptive = AdaptiveSaves.of(self.root, self.config, self._ledger, self.rank)
+        self._auto = AutoSnapshots.of(self.config, max_over_ranks)
         self._graceful = preempt.Stop(self.root, self.run)
         if self.config.eager_writer:
             self._saves.inflight.start_writer(self._saves.hooks)  # the first: nothing to hand over
@@ -189,7 +191,7 @@ class Checkpointer:
     # --- public API --------------------------------------------------------------------------
     def maybe_save(self, step: int, state: Mapping[str, Any]) -> bool:
         """``save`` when ``step`` is due (after every ``every_steps`` completed steps), else
-        ``snapshot`` when a snapshot is due (``snapshot_every``), else ``note``.
+        ``snapshot`` when one is due (``snapshot_every``/``snapshot_budget``), else ``note``.
 
         Args:
             step: The step just completed (0-based).
@@ -208,14 +210,17 @@ class Checkpointer:
         """
         if self._graceful.due(step):
             self._preempted(step, state)
-        adaptive = self._adaptive
+        adaptive, auto = self._adaptive, self._auto
+        snap = auto is not None and auto.step(step)  # timed; True: a snapshot is due
         if self.config.due(step) if adaptive is None else adaptive.due(step, self._saves.stats):
             t0 = time.time()
             staged = self.save(step, state)
             if adaptive is not None:
                 adaptive.saved(step, blocking_s=time.time() - t0, stats=self._saves.stats)
+            if auto is not None:
+                auto.saved(step, stall_s=time.time() - t0)
             return staged
-        if self.config.snapshot_due(step):
+        if snap or self.config.snapshot_due(step):
             return self.snapshot(step, state)
         self.note(step, state)
         return False

@@ -114,7 +114,14 @@ class CheckpointConfig:
     it does not write too (see ``unbroken.checkpoint.staging.memory``)."""
     snapshot_every: int = 0
     """``maybe_save`` also snapshots to memory only (nothing persisted) after every this many
-    completed steps, between durable saves; 0: only at durable saves. Needs ``memory_tier``."""
+    completed steps, between durable saves; 0: at the interval ``snapshot_budget`` allows.
+    Needs ``memory_tier``."""
+    snapshot_budget: float = 0.01
+    """With ``snapshot_every`` 0: the share of step time memory snapshots between durable saves
+    may block the trainer; ``maybe_save`` measures the stall and the step and snapshots every
+    ``ceil(stall / (budget x step))`` steps (``unbroken.checkpoint.schedule.snapshots``), so a
+    fault that kills a process rolls back fewer steps at the same cost whatever the step. 0:
+    only at durable saves."""
     rescue: bool = True
     """With the memory tier, ``maybe_save`` notes every step it neither saves nor snapshots
     (a cheap copy of the non-tensor state, recorded as a ``ckpt_stage`` of ``part`` "note"), so
@@ -199,8 +206,13 @@ class CheckpointConfig:
             raise ValueError(f"writer_nice must be in [0, 19], got {self.writer_nice}")
         if self.snapshot_every < 0:
             raise ValueError(
-                f"snapshot_every must be >= 0 (0: snapshots only at durable saves), "
+                f"snapshot_every must be >= 0 (0: at the interval snapshot_budget allows), "
                 f"got {self.snapshot_every}"
+            )
+        if not 0 <= self.snapshot_budget < 1:
+            raise ValueError(
+                f"snapshot_budget must be in [0, 1) (a share of step time; 0: no snapshots "
+                f"between durable saves), got {self.snapshot_budget}"
             )
         if self.snapshot_every and not self.memory_tier:
             raise ValueError(
@@ -337,6 +349,8 @@ def overridden(config: CheckpointConfig, overrides: Overrides) -> CheckpointConf
         fields.update(memory_tier=False, snapshot_every=0, memory_slots=1)
     elif overrides.snapshot_every is not None:
         fields["snapshot_every"] = overrides.snapshot_every
+        if not overrides.snapshot_every:  # none between durable saves, measured or not
+            fields["snapshot_budget"] = 0.0
         if overrides.snapshot_every:
             fields["memory_tier"] = True
             fields["memory_slots"] = max(2, config.memory_slots)

@@ -112,6 +112,7 @@ def _checkpointer(args: argparse.Namespace, run_dir: Path) -> unbroken.Checkpoin
         peers=() if args.no_peer_replica else None,
         config=CheckpointConfig(
             every_steps=args.ckpt_every,  # with the adaptive interval's bounds: checked together
+            snapshot_budget=0.0,  # --snapshot-every 0 is off, not a measured interval
             writer_nice=nice,
             writer_idle=idle,
             **saving.checkpointer_fields(args),

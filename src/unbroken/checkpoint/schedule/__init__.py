@@ -1,4 +1,6 @@
-"""When a durable save is due: every ``every_steps`` steps, or at an interval that adapts.
+"""When a durable save is due: every ``every_steps`` steps, or at an interval that adapts; and
+when a memory snapshot is, between them (``snapshots``: at the interval a share of step time
+allows).
 
 ``CheckpointConfig.due`` answers for a fixed interval. With ``CheckpointConfig.adaptive``,
 ``adaptive.AdaptiveSaves`` (driven by ``Checkpointer.maybe_save``) asks the Young/Daly policy

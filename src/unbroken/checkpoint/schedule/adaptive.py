@@ -46,7 +46,9 @@ def interval_config(config: CheckpointConfig) -> IntervalConfig:
         ) from None
 
 
-def _max_over_ranks(values: Sequence[float]) -> list[float]:
+def max_over_ranks(values: Sequence[float]) -> list[float]:
+    """Element-wise maxima of ``values`` over the default process group's ranks (collective;
+    the values themselves without one)."""
     if not (dist.is_available() and dist.is_initialized()):
         return [float(x) for x in values]
     cuda = dist.get_backend() == "nccl"
@@ -104,7 +106,7 @@ class AdaptiveSaves:
             step,
             blocking_s=blocking_s,
             persist_s=persisted[-1] if persisted else None,
-            agree=_max_over_ranks,
+            agree=max_over_ranks,
             write=self.rank == 0,
         )
         self._t0 = time.monotonic()
