@@ -13,9 +13,9 @@ place by other means (an EMA, manual edits) must call ``wait_staged()`` first.
 
 At most one save is in flight per rank. A save that comes while the previous one is still
 persisting is skipped or waits for it (``on_busy``; default "skip", see CheckpointConfig).
-Across ranks nothing is collective: a rank that skips leaves a marker and the coordinator
-abandons that step rather than waiting for it. A checkpoint directory must be on storage every
-rank sees (one machine, or a shared filesystem across nodes).
+Saves are not collective: a rank that skips leaves a marker and the coordinator abandons
+that step; ``maybe_save`` is, once per durable save (the ranks agree the snapshot interval).
+A checkpoint directory must be on storage every rank sees (one machine, or a shared one).
 Ownership (``unbroken.ledger.owner``): the Checkpointer claims its directory for its run;
 another run's Checkpointer is refused while it runs, and its checkpoints unless ``allow_foreign``.
 Storage failures are not training failures (none touches an older committed checkpoint): a
@@ -24,9 +24,9 @@ save the writer reports failed (full, read-only, I/O errors), one not durable wi
 (``ckpt_fail``) and never raised into the training step; training goes on with the memory
 tier's snapshots, durable saves are retried with back-off, and ``storage`` says how long this
 rank has run unprotected (``persisting.health``; ``on_storage_failure`` "stop" ends the job
-with ``StorageFailed`` after a limit). ``snapshot_every`` stages memory-only snapshots
-(``snapshot``) between the durable saves of ``every_steps``; with ``memory_keeper`` (set by
-``unbroken-run``) they outlive the process. On SIGTERM inside ``unbroken.run``, ``maybe_save``
+with ``StorageFailed`` after a limit). Memory-only snapshots (``snapshot``) come between the
+durable saves (``snapshot_every``, or as ``snapshot_budget`` allows); with ``memory_keeper``
+(set by ``unbroken-run``) they outlive the process. On SIGTERM inside ``unbroken.run``, ``maybe_save``
 stops the job gracefully (``preempt``).
 
 The environment's overrides win over the arguments (``config.overridden``). Phases
