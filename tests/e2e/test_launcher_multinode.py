@@ -21,7 +21,8 @@ from procs import run, unbroken_run_cmd, worker_env
 from unbroken.ledger import read_events
 from unbroken.ports import spare_port
 
-STEPS = 40
+STEPS = 80  # the store's loss is noticed and re-joined in 1-3 s (keep-alives of 1 s) while
+# training goes on at ~0.1 s a step: the node's loss must still come before the end
 BATCH = ["--batch-size", "4", "--no-inprocess"]  # the launcher's recovery, not in-process
 REJOINED = "re-joined the rendezvous store"
 HASH = re.compile(r"final_state_sha256=([0-9a-f]{64})")

@@ -22,7 +22,8 @@ from procs import run, unbroken_run_cmd
 from unbroken.checkpoint import layout
 from unbroken.ledger import goodput, read_events
 
-STEPS = 24
+STEPS = 40  # a stalled save fails 1 s (persist_timeout_s) after its staging, while
+# training goes on at ~0.1 s a step: later due saves must still come after that
 ARGS = ["--batch-size", "4", "--ckpt-every", "4", "--storage-retry-s", "0.2"]
 TIMEOUT_S = 240
 
@@ -104,7 +105,8 @@ def test_a_stalled_save_is_failed_its_writer_replaced_and_training_goes_on(
     assert all("not durable after 1.0 s" in e.get("error") for e in fails), fails
     (injected,) = [e for e in events if e.kind == "fault_injected"]
     commits = [e.get("step") for e in events if e.kind == "ckpt_commit" and e.ts > injected.ts]
-    assert commits and commits[-1] == STEPS - 1  # the storage came back: later saves commit
+    failed = max(e.get("step") for e in fails)
+    assert commits and max(commits) > failed, (commits, failed)  # storage back: later saves commit
     storage = goodput.compute(events).storage
     assert not storage.failing and 0 < storage.unprotected_s < 60
 
