@@ -88,7 +88,10 @@ def test_a_hang_ends_by_the_survivors_collective_timeout(tmp_path: Path, clean_h
         cfg=cfg,
     )
     assert res.returncode == 0, res.output[-3000:]
-    assert res.launches == 2  # rank 1 timed out, the hung rank 0's pod was deleted, one relaunch
+    # rank 1 timed out, the hung rank 0's pod was deleted, relaunched: once, or twice when the
+    # relaunched pods start further apart than the 2 s timeout that also bounds forming the
+    # group (seen on a loaded machine: the second pod's first store connect timed out)
+    assert res.launches in (2, 3)
     assert final(run_dir)["final_state_sha256"] == clean_hash
     [fault] = goodput.compute(read_events(run_dir)).faults
     assert fault.kind == "hang" and fault.layer == "orchestrator"
