@@ -24,8 +24,9 @@ the job goes on without the node). Configurations:
 
 Figures: node loss -> training again (``recovery_s``: the loss to every rank having completed
 a step; for a drain, ``drain_outage``), the steps lost and where each rank restored from
-(``tiers``), from the run's ledger, with the goodput code every other figure uses. The unbroken configurations snapshot to memory
-every ``--snapshot-every`` steps; clean and baseline never do.
+(``tiers``), from the run's ledger, with the goodput code every other figure uses. The
+unbroken configurations snapshot to memory every ``--snapshot-every`` steps; clean and
+baseline never do.
 """
 
 from __future__ import annotations

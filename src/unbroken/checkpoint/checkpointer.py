@@ -26,8 +26,8 @@ tier's snapshots, durable saves are retried with back-off, and ``storage`` says 
 rank has run unprotected (``persisting.health``; ``on_storage_failure`` "stop" ends the job
 with ``StorageFailed`` after a limit). Memory-only snapshots (``snapshot``) come between the
 durable saves (``snapshot_every``, or as ``snapshot_budget`` allows); with ``memory_keeper``
-(set by ``unbroken-run``) they outlive the process. On SIGTERM inside ``unbroken.run``, ``maybe_save``
-stops the job gracefully (``preempt``).
+(set by ``unbroken-run``) they outlive the process. On SIGTERM inside ``unbroken.run``,
+``maybe_save`` stops the job gracefully (``preempt``).
 
 The environment's overrides win over the arguments (``config.overridden``). Phases
 (``unbroken.ledger.phases``): ``restore``, ``save`` (durable), ``persist`` (handed to the

@@ -349,11 +349,11 @@ def overridden(config: CheckpointConfig, overrides: Overrides) -> CheckpointConf
         fields.update(memory_tier=False, snapshot_every=0, memory_slots=1)
     elif overrides.snapshot_every is not None:
         fields["snapshot_every"] = overrides.snapshot_every
-        if not overrides.snapshot_every:  # none between durable saves, measured or not
-            fields["snapshot_budget"] = 0.0
         if overrides.snapshot_every:
             fields["memory_tier"] = True
             fields["memory_slots"] = max(2, config.memory_slots)
+        else:  # none between durable saves, measured or not
+            fields["snapshot_budget"] = 0.0
     changed = {k: v for k, v in fields.items() if getattr(config, k) != v}
     if not changed:
         return config
