@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from unbroken.restart import RestartConfig
+from unbroken.restart.lossy import Loss
 from unbroken.restart.watchdog import (
     EXIT_TIMEOUT,
     HANG,
@@ -140,3 +141,42 @@ def test_a_rank_that_sends_nothing_is_hung_and_sending_has_a_limit() -> None:
         t += 1.0
     sent[0] += 10_000
     assert w.evaluate(31.5, silent_s=31.5).action == KILL
+
+
+def test_a_silent_rank_whose_connections_lose_segments_is_slow_not_hung() -> None:
+    """TCP waiting out a retransmission timeout writes nothing; the lost segments excuse the
+    silence, for at most SENDING_LIMIT timeouts, and not once a peer is unreachable."""
+    lost = {7: 0}
+    unreachable = [False]
+    w = Watchdog(CFG, sent_bytes=lambda: 0, link_loss=lambda: Loss(dict(lost), unreachable[0]))
+    w.arm(0.0)
+    w.progress(0.0, step=True)
+    assert w.evaluate(0.05, silent_s=0.05).action == NONE  # the reading at the clock's start
+    w.evaluate(0.6, silent_s=0.6)
+    assert w.evaluate(1.1, silent_s=1.1).action == RESTART  # nothing lost: hung
+    w = Watchdog(CFG, sent_bytes=lambda: 0, link_loss=lambda: Loss(dict(lost), unreachable[0]))
+    w.arm(0.0)
+    w.progress(0.0, step=True)
+    w.evaluate(0.05, silent_s=0.05)
+    lost[7] = 3  # resent three segments
+    assert w.evaluate(1.1, silent_s=1.1).action == NONE
+    assert w.waiting() and w.lost_segments == 3 and w.sending_bps is None
+    deadline = w.deadline()
+    assert deadline is not None and deadline > 30.0  # the backstop waits too
+    assert w.evaluate(2.5, silent_s=2.5).action == NONE
+    unreachable[0] = True  # the peer stopped acknowledging: its node is gone
+    assert w.evaluate(2.6, silent_s=2.6).action == RESTART
+    unreachable[0] = False
+    w.progress(3.0, step=True)
+    assert not w.waiting()
+    w.evaluate(3.05, silent_s=0.0)  # a new reading: the old loss no longer counts
+    assert w.evaluate(4.2, silent_s=1.2).action == RESTART
+    t = 5.0
+    w.progress(t, step=True)
+    w.evaluate(t + 0.05, silent_s=0.0)
+    while t < 5.0 + 29.0:  # segments lost all along, for nearly SENDING_LIMIT timeouts
+        lost[7] += 1
+        t += 1.0
+        assert w.evaluate(t, silent_s=t).action == NONE, t
+    lost[7] += 1
+    assert w.evaluate(5.0 + 30.5, silent_s=t).action == KILL  # the limit

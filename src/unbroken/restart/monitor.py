@@ -38,6 +38,7 @@ from unbroken.restart import assign
 from unbroken.restart.calibrate import Calibrator
 from unbroken.restart.config import RestartConfig
 from unbroken.restart.interrupt import Interrupter, python_probe
+from unbroken.restart.lossy import OwnConnections
 from unbroken.restart.pg import Transport
 from unbroken.restart.store import Keys, StoreHost
 from unbroken.restart.watchdog import KILL, NONE, RESTART, Backstop, Verdict, Watchdog
@@ -99,7 +100,9 @@ class Monitor:
         self.config = config
         self.ledger = ledger
         self.interrupter = interrupter
-        self.watchdog = Watchdog(config, calibrator, sent_bytes=_own_sent_bytes)
+        self.watchdog = Watchdog(
+            config, calibrator, sent_bytes=_own_sent_bytes, link_loss=OwnConnections().loss
+        )
         self._told_sending = False
         self._kill_fn = kill
         self._probe = python_probe()
@@ -328,16 +331,21 @@ class Monitor:
                 self._last_interrupt = now
 
     def _tell_sending(self, verdict: Verdict) -> None:
-        """Log once per silence that the rank is waited for because it is sending."""
-        rate = self.watchdog.sending_bps
-        if rate is None or verdict.action != NONE:
+        """Log once per silence that the rank is waited for because the network is slow."""
+        dog = self.watchdog
+        if not dog.waiting() or verdict.action != NONE:
             self._told_sending = False
         elif not self._told_sending:
             self._told_sending = True
+            why = (
+                f"this rank is sending {dog.sending_bps / 1000:.0f} kB/s"
+                if dog.sending_bps is not None
+                else f"its connections lost {dog.lost_segments} segment(s) meanwhile"
+            )
             logger.warning(
-                "no progress past the soft timeout, but this rank is sending %.0f kB/s (a "
-                "collective over a slow network): slow, not hung; waiting",
-                rate / 1000,
+                "no progress past the soft timeout, but %s (a collective over a slow "
+                "network): slow, not hung; waiting",
+                why,
             )
 
     def _kill(self, verdict: Verdict, armed: Armed) -> None:

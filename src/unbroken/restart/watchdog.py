@@ -20,7 +20,11 @@ hard) timeout passes, the watchdog asks how many bytes the process passed to wri
 it became a suspect (half a timeout without progress; ``sent_bytes``, /proc's ``wchar``,
 sockets included): at ``SENDING_BYTES_S`` a second or more, it is communicating, and the
 verdict waits, for at most ``SENDING_LIMIT`` timeouts of silence. A hung collective sends
-nothing (its peer never takes the data), nor does a Python loop.
+nothing (its peer never takes the data), nor does a Python loop. A lossy link can stall a
+collective without a byte written while TCP waits out its retransmission timeout; then the
+process's TCP connections show segments lost since the progress clock last moved
+(``link_loss``, ``lossy``), which excuses the silence just the same, unless a peer has stopped
+acknowledging altogether (unreachable: its node is gone).
 
 This module only decides; it owns no thread and does no I/O of its own (the calibrator writes a
 small file when a calibrated value moves), so tests drive it with a fake clock. ``monitor.Monitor`` calls ``evaluate`` every ``monitor_interval_s`` from its own
@@ -40,6 +44,7 @@ from dataclasses import dataclass
 
 from unbroken.restart.calibrate import Calibrator
 from unbroken.restart.config import RestartConfig
+from unbroken.restart.lossy import Loss
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +60,8 @@ SENDING_LIMIT = 30.0
 
 SentBytes = Callable[[], "int | None"]
 """Bytes this process has passed to write calls so far (None: unknown)."""
+LinkLoss = Callable[[], "Loss | None"]
+"""Loss on this process's TCP connections so far (``lossy.OwnConnections.loss``)."""
 
 HANG = "hang"
 """No progress, main thread executing Python."""
@@ -103,11 +110,19 @@ class Watchdog:
         calibrator: Calibrator | None = None,
         *,
         sent_bytes: SentBytes | None = None,
+        link_loss: LinkLoss | None = None,
     ) -> None:
         self.config = config
         self.calibrator = calibrator or Calibrator(config)
         self.sent_bytes = sent_bytes
         """This process's bytes written so far (None: the rule is off)."""
+        self.link_loss = link_loss
+        """Loss on this process's connections so far (None: the rule is off)."""
+        self._loss_base: tuple[float, Loss] | None = None
+        """(progress clock start, the reading then)."""
+        self.lost_segments: int | None = None
+        """Segments lost since the progress clock moved, when the last verdict that waited
+        waited for them (for the log)."""
         self._suspect: tuple[float, int] | None = None
         """(when, bytes written then) since the progress clock last moved, past half a soft
         timeout; None before."""
@@ -155,6 +170,7 @@ class Watchdog:
         self.gap_start = now
         self.protected_s = 0.0
         self.sending_bps = None
+        self.lost_segments = None
         if step:
             self.first_step_seen = True
 
@@ -222,7 +238,10 @@ class Watchdog:
             return _QUIET
         if protected:
             return _QUIET
-        if idle > soft and self._sending(now, since, soft):
+        if self.link_loss is not None and (self._loss_base is None or self._loss_base[0] != since):
+            base = self.link_loss()
+            self._loss_base = None if base is None else (since, base)
+        if idle > soft and (self._sending(now, since, soft) or self._lossy(now, since, soft)):
             return _QUIET
         if idle > hard:
             return Verdict(KILL, self._kind(silent_s, soft), idle, silent_s, phase)
@@ -255,6 +274,27 @@ class Watchdog:
         self.sending_bps = rate
         return True
 
+    def _lossy(self, now: float, since: float, soft: float) -> bool:
+        """Slow, not hung: segments lost on this process's connections since the progress
+        clock moved, no peer unreachable, silent for fewer than ``SENDING_LIMIT`` timeouts."""
+        base = self._loss_base
+        if self.link_loss is None or base is None or base[0] != since:
+            return False
+        if now - since > SENDING_LIMIT * soft:
+            return False
+        loss = self.link_loss()
+        if loss is None or loss.unreachable:
+            return False
+        lost = loss.since(base[1])
+        if not lost:
+            return False
+        self.lost_segments = lost
+        return True
+
+    def waiting(self) -> bool:
+        """The last verdict waited for a slow network (sending, or segments lost)."""
+        return self.sending_bps is not None or self.lost_segments is not None
+
     def suspect(self, now: float, *, silent_s: float) -> str | None:
         """HANG or STUCK when the rank has been without progress for half its soft timeout
         (not yet a verdict). Used when a peer's report arrives: a rank that is itself hanging
@@ -279,7 +319,10 @@ class Watchdog:
         limits = []
         if self.protect_depth == 0:
             suspect = self._suspect
-            waiting = self.sending_bps is not None and suspect is not None and suspect[0] >= since
+            loss = self._loss_base
+            waiting = (
+                self.sending_bps is not None and suspect is not None and suspect[0] >= since
+            ) or (self.lost_segments is not None and loss is not None and loss[0] == since)
             limits.append(since + (SENDING_LIMIT * soft + hard if waiting else hard))
         if self.requested_at is not None:
             limits.append(self.requested_at + self.config.exit_timeout_s)
