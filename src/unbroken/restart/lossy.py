@@ -82,9 +82,7 @@ def _info(fd: int, inode: int) -> dict[str, int] | None:
 class OwnConnections:
     """Reads ``Loss`` from the calling process's TCP sockets."""
 
-    def __init__(
-        self, relist_s: float = 1.0, clock: Callable[[], float] = time.monotonic
-    ) -> None:
+    def __init__(self, relist_s: float = 1.0, clock: Callable[[], float] = time.monotonic) -> None:
         self.relist_s = relist_s
         self._clock = clock
         self._listed_at: float | None = None
