@@ -38,6 +38,7 @@ MAX_ADDED_LINES = 10
 PAIRS = [
     ("plain_fsdp.py", "fsdp.py"),
     ("plain_ddp.py", "ddp.py"),
+    ("plain_lightning_ddp.py", "lightning_ddp.py"),
     ("upstream/fsdp2/plain_example.py", "upstream/fsdp2/example.py"),  # pytorch/examples' own
 ]
 
