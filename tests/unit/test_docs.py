@@ -325,3 +325,9 @@ def test_adopting_unbroken_takes_at_most_10_lines(plain: str, adopted: str) -> N
 def test_the_readme_shows_the_diff_of_the_examples() -> None:
     expected = "```diff\n" + _diff(*PAIRS[0]) + "```"
     assert expected in README, f"update the README's adoption diff to:\n{expected}"
+
+
+def test_the_frameworks_page_shows_the_diff_of_the_lightning_example() -> None:
+    expected = "```diff\n" + _diff("plain_lightning_ddp.py", "lightning_ddp.py") + "```"
+    page = (DOCS / "frameworks.md").read_text()
+    assert expected in page, f"update docs/frameworks.md's adoption diff to:\n{expected}"

@@ -48,6 +48,7 @@ RULES: dict[str, tuple[str, ...]] = {
     ),
     "job": ("errors", "env", "log", "ledger", "checkpoint", "faults", "restart", "launcher.client"),
     "observe": ("errors", "env", "ledger", "faults", "launcher.client"),
+    "integrations": ("checkpoint", "restart"),
     "errors": (),
     "mask": (),
     "version": (),

@@ -39,8 +39,10 @@ from typing import Any
 import lightning.pytorch as pl
 from lightning.pytorch.trainer import call
 
-from unbroken.checkpoint.checkpointer import Checkpointer
+from unbroken.checkpoint import Checkpointer
 from unbroken.restart import RestartContext
+
+__all__ = ["TrainerState", "Unbroken"]
 
 
 def _count_the_epoch_in_progress(loops: dict[str, Any]) -> None:
