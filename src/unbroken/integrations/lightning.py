@@ -94,10 +94,11 @@ class TrainerState:
         precision = t.precision_plugin.state_dict()
         if precision:
             state[type(t.precision_plugin).__qualname__] = precision
-        if t.datamodule is not None:
-            data = t.datamodule.state_dict()
+        datamodule = getattr(t, "datamodule", None)  # a property mypy does not see
+        if datamodule is not None:
+            data = datamodule.state_dict()
             if data:
-                state[type(t.datamodule).__qualname__] = data
+                state[type(datamodule).__qualname__] = data
         return state
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
