@@ -39,6 +39,7 @@ PAIRS = [
     ("plain_fsdp.py", "fsdp.py"),
     ("plain_ddp.py", "ddp.py"),
     ("plain_lightning_ddp.py", "lightning_ddp.py"),
+    ("plain_accelerate.py", "accelerate_ddp.py"),
     ("upstream/fsdp2/plain_example.py", "upstream/fsdp2/example.py"),  # pytorch/examples' own
 ]
 
@@ -327,7 +328,11 @@ def test_the_readme_shows_the_diff_of_the_examples() -> None:
     assert expected in README, f"update the README's adoption diff to:\n{expected}"
 
 
-def test_the_frameworks_page_shows_the_diff_of_the_lightning_example() -> None:
-    expected = "```diff\n" + _diff("plain_lightning_ddp.py", "lightning_ddp.py") + "```"
+@pytest.mark.parametrize(
+    ("plain", "adopted"),
+    [("plain_lightning_ddp.py", "lightning_ddp.py"), ("plain_accelerate.py", "accelerate_ddp.py")],
+)
+def test_the_frameworks_page_shows_the_diff_of_each_example(plain: str, adopted: str) -> None:
+    expected = "```diff\n" + _diff(plain, adopted) + "```"
     page = (DOCS / "frameworks.md").read_text()
     assert expected in page, f"update docs/frameworks.md's adoption diff to:\n{expected}"

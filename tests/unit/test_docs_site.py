@@ -22,7 +22,11 @@ SRC = ROOT / "src" / "unbroken"
 README_MAX_LINES = 200
 HISTORY_ALLOWED = {"CHANGELOG.md", "docs/benchmarks.md"}
 """Where commit hashes and dated measurement narratives belong."""
-PUBLIC_MODULES = {"unbroken.errors", "unbroken.integrations.lightning"}
+PUBLIC_MODULES = {
+    "unbroken.errors",
+    "unbroken.integrations.lightning",
+    "unbroken.integrations.accelerate",
+}
 """Public modules documented besides the packages that declare ``__all__`` (an integration is
 its own module: importing it imports its framework)."""
 UNDOCUMENTED = {"unbroken.k8s.emulate"}
