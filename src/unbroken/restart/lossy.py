@@ -13,12 +13,14 @@ the connection to it backs off again and again (``tcpi_backoff``); from ``UNREAC
 on, that loss no longer excuses the silence.
 
 Only this process's own sockets are read (``getsockopt`` on its own descriptors, listed from
-/proc/self/fd at most every ``relist_s``): a few microseconds a socket. Where ``TCP_INFO`` is
-not available (not Linux) every reading is None and the rule is off.
+/proc/self/fd at most every ``relist_s``), two system calls a socket; the watchdog reads them
+at most every ``watchdog.LOSS_SAMPLE_S``. Where ``TCP_INFO`` is not available (not Linux)
+every reading is None and the rule is off.
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
 import socket
 import struct
@@ -28,8 +30,13 @@ from dataclasses import dataclass
 
 TCP_INFO = getattr(socket, "TCP_INFO", 11)
 _INFO_LEN = 232
-_ESTABLISHED = 1
-_OFFSETS = {"retransmits": 2, "backoff": 4, "unacked": 24, "total_retrans": 100, "ooopack": 224}
+_MIN_LEN = 104
+"""``struct tcp_info`` up to ``tcpi_total_retrans`` (offset 100); ``tcpi_unacked`` is at 24,
+``tcpi_rcv_ooopack`` at 224 (Linux 5.4 and later), the u8 ``tcpi_retransmits`` and
+``tcpi_backoff`` at 2 and 4."""
+_ESTABLISHED = b"\x01"
+_HEAD = struct.Struct("=5B")
+_U32 = struct.Struct("=I")
 UNREACHABLE_BACKOFF = 3
 """Consecutive RTO back-offs (of a connection with data in flight) from which its peer counts
 as unreachable: at 1% loss a segment is lost three times in a row once in a million."""
@@ -51,32 +58,48 @@ class Loss:
         return sum(max(0, n - base.lost.get(inode, 0)) for inode, n in self.lost.items())
 
 
-def _info(fd: int, inode: int) -> dict[str, int] | None:
+def _getsockopt() -> Callable[..., int] | None:
+    """libc's ``getsockopt``, called on a descriptor without wrapping it in a socket object (a
+    ``socket.socket(fileno=...)`` costs three more system calls); None: not available."""
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).getsockopt
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [
+        ctypes.c_int,
+        ctypes.c_int,
+        ctypes.c_int,
+        ctypes.c_void_p,
+        ctypes.POINTER(ctypes.c_uint32),
+    ]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_GETSOCKOPT = _getsockopt()
+
+
+def _info(fd: int, inode: int, buf: ctypes.Array[ctypes.c_char]) -> tuple[int, int, int] | None:
+    """(segments lost, RTO back-offs, segments in flight) of descriptor ``fd`` if it is still
+    socket ``inode`` and an established TCP connection; else None."""
+    assert _GETSOCKOPT is not None
     try:
         if os.fstat(fd).st_ino != inode:
             return None  # closed and reused since listed
-        sock = socket.socket(fileno=fd)
     except OSError:
         return None
-    try:
-        if sock.type != socket.SOCK_STREAM or sock.family not in (socket.AF_INET, socket.AF_INET6):
-            return None
-        raw = sock.getsockopt(socket.IPPROTO_TCP, TCP_INFO, _INFO_LEN)
-    except OSError:
+    size = ctypes.c_uint32(_INFO_LEN)
+    if _GETSOCKOPT(fd, socket.IPPROTO_TCP, TCP_INFO, buf, ctypes.byref(size)) != 0:
+        return None  # not TCP (a Unix socket), or closed meanwhile
+    if size.value < _MIN_LEN or buf[0] != _ESTABLISHED:
         return None
-    finally:
-        sock.detach()  # the descriptor is its owner's: never closed here
-    if len(raw) < 104 or raw[0] != _ESTABLISHED:
-        return None
-    raw = raw.ljust(_INFO_LEN, b"\0")  # an older kernel: no out-of-order count
-    return {
-        "retransmits": raw[_OFFSETS["retransmits"]],
-        "backoff": raw[_OFFSETS["backoff"]],
-        **{
-            name: struct.unpack_from("=I", raw, _OFFSETS[name])[0]
-            for name in ("unacked", "total_retrans", "ooopack")
-        },
-    }
+    if size.value < _INFO_LEN:  # an older kernel: no out-of-order count
+        ctypes.memset(ctypes.addressof(buf) + size.value, 0, _INFO_LEN - size.value)
+    state, _, retransmits, _, backoff = _HEAD.unpack_from(buf, 0)
+    (unacked,) = _U32.unpack_from(buf, 24)
+    (resent,) = _U32.unpack_from(buf, 100)
+    (out_of_order,) = _U32.unpack_from(buf, 224)
+    return resent + out_of_order, max(backoff, retransmits), unacked
 
 
 class OwnConnections:
@@ -88,7 +111,8 @@ class OwnConnections:
         self._listed_at: float | None = None
         self._sockets: list[tuple[int, int]] = []
         """(descriptor, inode) of each socket when last listed."""
-        self._off = TCP_INFO is None or not os.path.isdir("/proc/self/fd")
+        self._off = _GETSOCKOPT is None or not os.path.isdir("/proc/self/fd")
+        self._buf = ctypes.create_string_buffer(_INFO_LEN)
 
     def _list(self) -> None:
         found = []
@@ -116,11 +140,10 @@ class OwnConnections:
         lost: dict[int, int] = {}
         unreachable = False
         for fd, inode in self._sockets:
-            info = _info(fd, inode)
+            info = _info(fd, inode, self._buf)
             if info is None:
                 continue  # not TCP, not established, or closed since listed
-            lost[inode] = info["total_retrans"] + info["ooopack"]
-            backoff = max(info["backoff"], info["retransmits"])
-            if info["unacked"] and backoff >= UNREACHABLE_BACKOFF:
+            lost[inode], backoff, in_flight = info
+            if in_flight and backoff >= UNREACHABLE_BACKOFF:
                 unreachable = True
         return Loss(lost, unreachable)

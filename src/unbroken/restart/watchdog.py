@@ -57,6 +57,9 @@ SENDING_BYTES_S = 4096.0
 launcher's rule uses too: ``launcher.slowness``)."""
 SENDING_LIMIT = 30.0
 """Timeouts of silence a communicating rank is given at most."""
+LOSS_SAMPLE_S = 0.25
+"""The connections' loss is read at most this often: when the progress clock has moved since
+the last reading (a few microseconds a socket, off the training thread)."""
 
 SentBytes = Callable[[], "int | None"]
 """Bytes this process has passed to write calls so far (None: unknown)."""
@@ -118,8 +121,9 @@ class Watchdog:
         """This process's bytes written so far (None: the rule is off)."""
         self.link_loss = link_loss
         """Loss on this process's connections so far (None: the rule is off)."""
-        self._loss_base: tuple[float, Loss] | None = None
-        """(progress clock start, the reading then)."""
+        self._loss_base: tuple[float, float, Loss] | None = None
+        """(progress clock start, when, the reading then): the newest reading, taken before
+        the progress clock's last move, or after it."""
         self.lost_segments: int | None = None
         """Segments lost since the progress clock moved, when the last verdict that waited
         waited for them (for the log)."""
@@ -238,9 +242,7 @@ class Watchdog:
             return _QUIET
         if protected:
             return _QUIET
-        if self.link_loss is not None and (self._loss_base is None or self._loss_base[0] != since):
-            base = self.link_loss()
-            self._loss_base = None if base is None else (since, base)
+        self._read_loss(now, since)
         if idle > soft and (self._sending(now, since, soft) or self._lossy(now, since, soft)):
             return _QUIET
         if idle > hard:
@@ -274,18 +276,28 @@ class Watchdog:
         self.sending_bps = rate
         return True
 
+    def _read_loss(self, now: float, since: float) -> None:
+        base = self._loss_base
+        if self.link_loss is None or (
+            base is not None and (base[0] == since or now - base[1] < LOSS_SAMPLE_S)
+        ):
+            return
+        reading = self.link_loss()
+        self._loss_base = None if reading is None else (since, now, reading)
+
     def _lossy(self, now: float, since: float, soft: float) -> bool:
         """Slow, not hung: segments lost on this process's connections since the progress
-        clock moved, no peer unreachable, silent for fewer than ``SENDING_LIMIT`` timeouts."""
+        clock moved (or up to ``LOSS_SAMPLE_S`` before), no peer unreachable, silent for fewer
+        than ``SENDING_LIMIT`` timeouts."""
         base = self._loss_base
-        if self.link_loss is None or base is None or base[0] != since:
+        if self.link_loss is None or base is None:
             return False
         if now - since > SENDING_LIMIT * soft:
             return False
         loss = self.link_loss()
         if loss is None or loss.unreachable:
             return False
-        lost = loss.since(base[1])
+        lost = loss.since(base[2])
         if not lost:
             return False
         self.lost_segments = lost
@@ -322,7 +334,7 @@ class Watchdog:
             loss = self._loss_base
             waiting = (
                 self.sending_bps is not None and suspect is not None and suspect[0] >= since
-            ) or (self.lost_segments is not None and loss is not None and loss[0] == since)
+            ) or (self.lost_segments is not None and loss is not None)
             limits.append(since + (SENDING_LIMIT * soft + hard if waiting else hard))
         if self.requested_at is not None:
             limits.append(self.requested_at + self.config.exit_timeout_s)
