@@ -40,6 +40,7 @@ PAIRS = [
     ("plain_ddp.py", "ddp.py"),
     ("plain_lightning_ddp.py", "lightning_ddp.py"),
     ("plain_accelerate.py", "accelerate_ddp.py"),
+    ("plain_hf_trainer.py", "hf_trainer.py"),
     ("upstream/fsdp2/plain_example.py", "upstream/fsdp2/example.py"),  # pytorch/examples' own
 ]
 
@@ -330,7 +331,11 @@ def test_the_readme_shows_the_diff_of_the_examples() -> None:
 
 @pytest.mark.parametrize(
     ("plain", "adopted"),
-    [("plain_lightning_ddp.py", "lightning_ddp.py"), ("plain_accelerate.py", "accelerate_ddp.py")],
+    [
+        ("plain_lightning_ddp.py", "lightning_ddp.py"),
+        ("plain_accelerate.py", "accelerate_ddp.py"),
+        ("plain_hf_trainer.py", "hf_trainer.py"),
+    ],
 )
 def test_the_frameworks_page_shows_the_diff_of_each_example(plain: str, adopted: str) -> None:
     expected = "```diff\n" + _diff(plain, adopted) + "```"

@@ -26,6 +26,7 @@ PUBLIC_MODULES = {
     "unbroken.errors",
     "unbroken.integrations.lightning",
     "unbroken.integrations.accelerate",
+    "unbroken.integrations.transformers",
 }
 """Public modules documented besides the packages that declare ``__all__`` (an integration is
 its own module: importing it imports its framework)."""
