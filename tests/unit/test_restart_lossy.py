@@ -115,7 +115,7 @@ def test_a_lossy_link_shows_lost_segments_and_a_cut_one_an_unreachable_peer(
         client.close()
 
 
-def test_a_healthy_connection_loses_nothing_and_listeners_do_not_count() -> None:
+def test_loopback_connections_are_no_network() -> None:
     listener = socket.create_server(("127.0.0.1", 0))
     conn = socket.create_connection(listener.getsockname())
     peer, _ = listener.accept()
@@ -137,10 +137,8 @@ def test_a_healthy_connection_loses_nothing_and_listeners_do_not_count() -> None
             while got < 50_000:
                 got += len(conn.recv(65536))
         loss = conns.loss()
-        assert loss is not None and loss.since(base) == 0 and not loss.unreachable
-        # both ends of the connection are this process's: two established sockets, no listener
-        assert len(loss.lost) == 2
-        assert conn.fileno() >= 0 and peer.fileno() >= 0  # read, never closed
+        assert loss is not None and loss.lost == {} and not loss.unreachable
+        assert conn.fileno() >= 0 and peer.fileno() >= 0  # looked at, never closed
     finally:
         conn.close()
         done.wait(5)
@@ -148,8 +146,11 @@ def test_a_healthy_connection_loses_nothing_and_listeners_do_not_count() -> None
         listener.close()
 
 
-def test_loss_since_counts_new_connections_whole_and_closed_ones_not_at_all() -> None:
+def test_loss_since_counts_the_connections_open_at_both_readings_only() -> None:
+    """A connection opened in between may count a resent SYN (a loaded listener's backlog):
+    seen on loopback by a stuck rank after an in-process restart, which then waited 30 soft
+    timeouts instead of one."""
     base = Loss({1: 5, 2: 7}, unreachable=False)
     assert Loss({1: 5, 2: 7}, False).since(base) == 0
-    assert Loss({1: 6, 3: 2}, False).since(base) == 3
+    assert Loss({1: 6, 3: 2}, False).since(base) == 1
     assert Loss({1: 4}, False).since(base) == 0

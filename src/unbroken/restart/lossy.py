@@ -12,7 +12,8 @@ it receives. A peer that is gone (its node lost, its link cut) acknowledges noth
 the connection to it backs off again and again (``tcpi_backoff``); from ``UNREACHABLE_BACKOFF``
 on, that loss no longer excuses the silence.
 
-Only this process's own sockets are read (``getsockopt`` on its own descriptors, listed from
+Only connections to other hosts count (loopback is no network), and only this process's own
+sockets are read (``getsockopt`` on its own descriptors, listed from
 /proc/self/fd at most every ``relist_s``), two system calls a socket; the watchdog reads them
 at most every ``watchdog.LOSS_SAMPLE_S``. Where ``TCP_INFO`` is not available (not Linux)
 every reading is None and the rule is off.
@@ -21,6 +22,7 @@ every reading is None and the rule is off.
 from __future__ import annotations
 
 import ctypes
+import ipaddress
 import os
 import socket
 import struct
@@ -53,9 +55,12 @@ class Loss:
     """Some connection with data in flight has backed off ``UNREACHABLE_BACKOFF`` times."""
 
     def since(self, base: Loss) -> int:
-        """Segments lost between ``base`` and this reading (connections opened in between
-        count whole; closed ones not at all)."""
-        return sum(max(0, n - base.lost.get(inode, 0)) for inode, n in self.lost.items())
+        """Segments lost between ``base`` and this reading, on the connections open at both:
+        one opened since counts nothing (its count may hold the handshake's resent SYN, a
+        loaded listener's, not the network's); a closed one neither."""
+        return sum(
+            max(0, n - base.lost[inode]) for inode, n in self.lost.items() if inode in base.lost
+        )
 
 
 def _getsockopt() -> Callable[..., int] | None:
@@ -102,6 +107,27 @@ def _info(fd: int, inode: int, buf: ctypes.Array[ctypes.c_char]) -> tuple[int, i
     return resent + out_of_order, max(backoff, retransmits), unacked
 
 
+def _between_hosts(fd: int) -> bool | None:
+    """Whether descriptor ``fd`` is a TCP connection to another host; None: not known yet (not
+    connected, or closed meanwhile)."""
+    try:
+        sock = socket.socket(fileno=fd)
+    except OSError:
+        return None
+    try:
+        if sock.type != socket.SOCK_STREAM or sock.family not in (socket.AF_INET, socket.AF_INET6):
+            return False
+        local, peer = sock.getsockname()[0], sock.getpeername()[0]
+    except OSError:
+        return None  # a listener, or not connected yet
+    finally:
+        sock.detach()  # the descriptor is its owner's: never closed here
+    try:
+        return local != peer and not ipaddress.ip_address(peer.split("%")[0]).is_loopback
+    except ValueError:
+        return False
+
+
 class OwnConnections:
     """Reads ``Loss`` from the calling process's TCP sockets."""
 
@@ -110,7 +136,11 @@ class OwnConnections:
         self._clock = clock
         self._listed_at: float | None = None
         self._sockets: list[tuple[int, int]] = []
-        """(descriptor, inode) of each socket when last listed."""
+        """(descriptor, inode) of each connection to another host when last listed."""
+        self._between_hosts: dict[int, bool] = {}
+        """Per socket inode: a TCP connection to another host (loopback and this host's own
+        addresses are no network: their counts would hold only a loaded listener's resent
+        SYNs)."""
         self._off = _GETSOCKOPT is None or not os.path.isdir("/proc/self/fd")
         self._buf = ctypes.create_string_buffer(_INFO_LEN)
 
@@ -122,8 +152,18 @@ class OwnConnections:
             except OSError:
                 continue  # closed meanwhile
             if target.startswith("socket:["):
-                found.append((int(name), int(target[8:-1])))
+                fd, inode = int(name), int(target[8:-1])
+                remote = self._between_hosts.get(inode)
+                if remote is None:
+                    remote = _between_hosts(fd)
+                    if remote is not None:  # None: not connected yet, asked again next time
+                        self._between_hosts[inode] = remote
+                if remote:
+                    found.append((fd, inode))
         self._sockets = found
+        listed = {inode for _, inode in found}
+        if len(self._between_hosts) > 4 * len(listed) + 64:  # forget closed sockets
+            self._between_hosts = {i: r for i, r in self._between_hosts.items() if i in listed}
 
     def loss(self) -> Loss | None:
         """This process's connections now; None where the kernel cannot say."""
