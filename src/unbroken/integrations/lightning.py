@@ -30,19 +30,31 @@ the ``lightning`` version the ``lightning`` extra pins.
 from __future__ import annotations
 
 import contextlib
+import io
 import os
-import pickle
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
+import torch
 from lightning.pytorch.trainer import call
 
 from unbroken.checkpoint import Checkpointer
 from unbroken.restart import RestartContext
 
 __all__ = ["TrainerState", "Unbroken"]
+
+
+def _dumps(value: Any) -> bytes:
+    buf = io.BytesIO()
+    torch.save(value, buf)
+    return buf.getvalue()
+
+
+def _loads(data: bytes) -> Any:
+    """Only what ``weights_only`` allows: a checkpoint may come from a peer's memory."""
+    return torch.load(io.BytesIO(data), weights_only=True)
 
 
 def _count_the_epoch_in_progress(loops: dict[str, Any]) -> None:
@@ -64,8 +76,9 @@ class TrainerState:
     """The ``Trainer``'s state beside the model and optimizers, as a ``Stateful``: what
     Lightning's own checkpoint holds of it (loops, schedulers, callbacks, precision plugin,
     datamodule). Its shape (which loops, loaders, callbacks) is known only once ``fit`` runs, so
-    it is one pickled value, not a tree a restore would need a template of. ``load_state_dict``
-    only keeps it: ``apply`` hands it to the Trainer."""
+    it is one serialized value (``torch.save``; loaded ``weights_only``: tensors, containers,
+    numbers, strings), not a tree a restore would need a template of. ``load_state_dict`` only
+    keeps it: ``apply`` hands it to the Trainer."""
 
     def __init__(self, trainer: pl.Trainer, owner: pl.Callback) -> None:
         self.trainer = trainer
@@ -73,7 +86,7 @@ class TrainerState:
         self.loaded: dict[str, Any] | None = None
 
     def state_dict(self) -> dict[str, Any]:
-        return {"pickled": pickle.dumps(self._collect())}
+        return {"serialized": _dumps(self._collect())}
 
     def _collect(self) -> dict[str, Any]:
         t = self.trainer
@@ -102,7 +115,7 @@ class TrainerState:
         return state
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        self.loaded = pickle.loads(state["pickled"])  # our own checkpoint: trusted as DCP's
+        self.loaded = _loads(state["serialized"])
 
     def apply(self) -> None:
         """Hand the loaded state to Lightning's restore steps, in ``fit``'s order."""

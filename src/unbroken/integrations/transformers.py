@@ -28,8 +28,8 @@ versions the ``transformers`` extra allows.
 from __future__ import annotations
 
 import dataclasses
+import io
 import json
-import pickle
 import random
 from collections.abc import Mapping
 from pathlib import Path
@@ -49,9 +49,21 @@ RESUME_DIR = "hf-resume"
 """Under the checkpoint directory: the directory ``resume_from_checkpoint`` names, per rank."""
 
 
+def _dumps(value: Any) -> bytes:
+    buf = io.BytesIO()
+    torch.save(value, buf)
+    return buf.getvalue()
+
+
+def _loads(data: bytes) -> Any:
+    """Only what ``weights_only`` allows: a checkpoint may come from a peer's memory."""
+    return torch.load(io.BytesIO(data), weights_only=True)
+
+
 class _Shared:
-    """The Trainer's state, scheduler and scaler, the same on every rank, as one pickled value
-    (a ``Stateful``). ``load_state_dict`` keeps it for the Trainer's resume steps."""
+    """The Trainer's state, scheduler and scaler, the same on every rank, as one serialized
+    value (a ``Stateful``; ``torch.save``, loaded ``weights_only``). ``load_state_dict`` keeps
+    it for the Trainer's resume steps."""
 
     def __init__(self, trainer: UnbrokenMixin) -> None:
         self.trainer = trainer
@@ -75,10 +87,10 @@ class _Shared:
             "scheduler": t.lr_scheduler.state_dict() if t.lr_scheduler is not None else None,
             "scaler": t.accelerator.scaler.state_dict() if t.accelerator.scaler else None,
         }
-        return {"pickled": pickle.dumps(shared)}
+        return {"serialized": _dumps(shared)}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        self.loaded = pickle.loads(state["pickled"])  # our own checkpoint: trusted as DCP's
+        self.loaded = _loads(state["serialized"])
 
 
 class _Generators:
@@ -88,17 +100,21 @@ class _Generators:
         self.loaded: dict[str, Any] | None = None
 
     def state_dict(self) -> dict[str, Any]:
+        kind, keys, pos, has_gauss, gauss = np.random.get_state()
         rng: dict[str, Any] = {
             "python": random.getstate(),
-            "numpy": np.random.get_state(),
+            "numpy": (kind, torch.from_numpy(np.asarray(keys).copy()), pos, has_gauss, gauss),
             "cpu": torch.random.get_rng_state(),
         }
         if torch.cuda.is_available():
             rng["cuda"] = torch.cuda.random.get_rng_state_all()
-        return {"pickled": pickle.dumps(rng)}
+        return {"serialized": _dumps(rng)}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        self.loaded = pickle.loads(state["pickled"])
+        rng = _loads(state["serialized"])
+        kind, keys, pos, has_gauss, gauss = rng["numpy"]
+        rng["numpy"] = (kind, keys.numpy(), pos, has_gauss, gauss)  # as the Trainer saves it
+        self.loaded = rng
 
 
 class _Steps(TrainerCallback):
