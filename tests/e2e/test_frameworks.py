@@ -1,0 +1,123 @@
+"""Where people already train, under unbroken-run on 2 ranks: each framework's adopted example
+(``examples/<name>``, its integration in ``unbroken.integrations``) goes through an exception
+(step 15: in-process restart from the step-9 save), a hang (step 24: the watchdog, in-process
+restart from the step-19 save, the last batch of an epoch) and a SIGKILL (step 32: the launcher
+restarts both workers, which resume from the node agent's step-29 snapshot), and ends with the
+weights of its plain twin's fault-free run, bit for bit; every restore comes from memory and
+the report has the figures of any other job. A framework whose package is missing skips with
+the extra to install."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from procs import run, unbroken_run_cmd, worker_env
+from unbroken.ledger import goodput, read_run
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+PLAN = """faults:
+  - {step: 15, rank: 0, kind: exception}
+  - {step: 24, rank: 1, kind: hang}
+  - {step: 32, rank: 1, kind: sigkill}
+"""
+STEPS = 40
+
+
+def _run(run_dir: Path, script: str, *, faults: Path | None = None) -> str:
+    env = worker_env()
+    if faults is not None:
+        env["UNBROKEN_FAULTS"] = str(faults)
+    run_dir.mkdir(parents=True, exist_ok=True)  # the plain twins write their checkpoints here
+    cmd = unbroken_run_cmd(
+        run_dir,
+        nproc=2,
+        steps=None,
+        target=[str(EXAMPLES / script)],
+        launcher_args=["--max-restarts", "3"],
+    )
+    res = run(cmd, timeout_s=300, env=env, cwd=run_dir)
+    assert res.returncode == 0, res.output[-4000:]
+    hashes = res.hashes()
+    assert len(hashes) == 1, res.output[-4000:]  # rank 0 prints it once, at the very end
+    return hashes[0]
+
+
+def _recovered(tmp_path: Path, plain: str, adopted: str) -> Path:
+    """Run the plain twin fault-free and the adopted example through the plan; the adopted
+    run's directory, its report checked."""
+    reference = _run(tmp_path / "plain", plain)
+    plan = tmp_path / "plan.yaml"
+    plan.write_text(PLAN)
+    run_dir = tmp_path / "adopted"
+    assert _run(run_dir, adopted, faults=plan) == reference
+
+    rep = goodput.compute(read_run(run_dir).events)
+    assert rep.steps_completed == STEPS
+    faults = {f.kind: f for f in rep.faults}
+    assert set(faults) == {"exception", "hang", "sigkill"}
+    assert all(f.injected and f.recovery_s is not None for f in rep.faults)
+    assert faults["exception"].layer == faults["hang"].layer == "inprocess"
+    assert faults["hang"].detector == "watchdog"
+    assert faults["sigkill"].layer == "launcher"
+    assert [faults[k].restored_step for k in ("exception", "hang", "sigkill")] == [9, 19, 29]
+    assert {f.restore_tier for f in rep.faults} == {"memory"}
+    assert rep.checkpoint_save_s > 0
+    observed = json.loads((run_dir / "launcher" / "heartbeats.json").read_text())
+    assert observed["job_heartbeats"] and observed["steady_samples"] > 0
+    return run_dir
+
+
+def test_a_lightning_trainer_recovers_bit_exact(tmp_path: Path) -> None:
+    """The ``Unbroken`` callback; the loader is resumable, so Lightning resumes mid-epoch, and
+    after a resume at an epoch's last batch (the callback corrects the epoch count Lightning
+    itself gets wrong there)."""
+    pytest.importorskip(
+        "lightning", reason="the lightning extra: pip install 'unbroken[lightning]'"
+    )
+    run_dir = _recovered(tmp_path, "plain_lightning_ddp.py", "lightning_ddp.py")
+    rep = goodput.compute(read_run(run_dir).events)
+    assert rep.custom_s.get("validation", 0) > 0  # Lightning's validation, a named phase
+
+
+def test_a_hugging_face_trainer_recovers_bit_exact(tmp_path: Path) -> None:
+    """unbroken's ``Trainer``: the Trainer's own resume path skips the batches the resumed epoch
+    had seen (its sampler shuffles with its seed) and restores its linear LR schedule."""
+    pytest.importorskip(
+        "transformers", reason="the transformers extra: pip install 'unbroken[transformers]'"
+    )
+    run_dir = _recovered(tmp_path, "plain_hf_trainer.py", "hf_trainer.py")
+    # The Trainer's own state came back with the step, its log entry included (the save waits
+    # for the Trainer to log the step): each logged step once, none lost to a resume.
+    state = json.loads(
+        (run_dir / "ckpt" / "hf-resume" / "rank0" / "trainer_state.json").read_text()
+    )
+    assert state["global_step"] == 30
+    assert [h["step"] for h in state["log_history"] if "loss" in h] == [10, 20, 30]
+
+
+def test_an_accelerate_script_recovers_bit_exact(tmp_path: Path) -> None:
+    """``state_of(accelerator)`` as the Checkpointer's state; the LR scheduler halves the rate
+    at step 15, so its state is restored too."""
+    pytest.importorskip(
+        "accelerate", reason="the accelerate extra: pip install 'unbroken[accelerate]'"
+    )
+    _recovered(tmp_path, "plain_accelerate.py", "accelerate_ddp.py")
+
+
+def test_state_of_refuses_an_accelerator_with_nothing_prepared() -> None:
+    pytest.importorskip(
+        "accelerate", reason="the accelerate extra: pip install 'unbroken[accelerate]'"
+    )
+    # In a process of its own: an Accelerator sets up a process-wide singleton.
+    code = (
+        "from accelerate import Accelerator\n"
+        "from unbroken.integrations.accelerate import state_of\n"
+        "try:\n    state_of(Accelerator(cpu=True))\n"
+        "except ValueError as e:\n    print(e)\n"
+    )
+    res = run([sys.executable, "-c", code], timeout_s=60)
+    assert res.returncode == 0 and "prepared 0 models" in res.output, res.output
