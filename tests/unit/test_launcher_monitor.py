@@ -349,6 +349,33 @@ def test_a_silent_worker_that_sends_is_slow_not_hung_until_the_sending_limit() -
     assert [h.rank for h in hangs] == [0, 1] and hangs[0].sending == 0.0
 
 
+def test_a_silent_worker_waiting_out_a_tcp_retransmission_is_slow_not_hung() -> None:
+    """A lossy link: TCP waits out a retransmission timeout and nothing is written (seen under
+    CI load: 70 B/s over a whole timeout); a connection in that state gives the worker time,
+    for at most SENDING_LIMIT timeouts; without it, the silence is a hang."""
+    cpu, sent = FakeRunnable(), FakeRunnable()
+    cpu.used = {100: 5.0, 101: 5.0}
+    sent.used = {100: 1e6, 101: 1e6}
+    waiting = {100: True, 101: False}
+    t = tracker(runnable_s=cpu, sent_bytes=sent, retransmitting=lambda pid: waiting[pid])
+    t.begin_round(0, {0: (0, 100), 1: (1, 101)}, now=0.0)
+    t.record(hb(0, step=1), now=1.0)
+    t.record(hb(1, step=1), now=1.0)
+    assert t.overdue(2.0) == []
+    assert t.overdue(3.0) == []  # nothing written, rank 0's connection waits out an RTO
+    now = 3.0
+    while now + 2.0 < 1.0 + SENDING_LIMIT * 2.0:
+        now += 2.0
+        assert t.overdue(now) == [], now
+    assert [h.rank for h in t.overdue(now + 2.0)] == [0, 1]  # the limit
+    waiting[100] = False
+    t.record(hb(0, step=2), now=100.0)
+    t.record(hb(1, step=2), now=100.0)
+    t.overdue(101.0)
+    hangs = t.overdue(102.0)  # no connection waits: hung
+    assert [h.rank for h in hangs] == [0, 1] and hangs[0].retransmitting is False
+
+
 def test_proc_sent_bytes_counts_what_a_process_writes(tmp_path: Path) -> None:
     code = "import os, sys, time\nos.write(1, b'x' * 100000)\ntime.sleep(60)"
     with open(tmp_path / "out", "wb") as out:

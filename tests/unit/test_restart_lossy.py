@@ -15,6 +15,7 @@ import pytest
 
 from unbroken.k8s.emulate import link
 from unbroken.k8s.emulate.net import NetnsNetwork, PodNet, netns_unavailable
+from unbroken.ledger.busy import proc_tcp_retransmitting
 from unbroken.restart.lossy import Loss, OwnConnections
 
 netns = pytest.mark.skipif(netns_unavailable() is not None, reason=f"{netns_unavailable()}")
@@ -108,9 +109,12 @@ def test_a_lossy_link_shows_lost_segments_and_a_cut_one_an_unreachable_peer(
         stats = link.finish(proc)
         assert stats["dropped"] >= 1
         assert lost >= 1 and not unreachable  # resent, or arrived out of order
+        assert proc_tcp_retransmitting(client.client.pid) is False  # all acknowledged
         net.cut(b)  # pod b's link down: nothing is acknowledged any more
         lost_after, unreachable = client.ask("push", 10)
         assert unreachable and lost_after > lost
+        # what the launcher reads of a worker (another process): waiting out an RTO
+        assert proc_tcp_retransmitting(client.client.pid) is True
     finally:
         client.close()
 

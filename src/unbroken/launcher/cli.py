@@ -35,7 +35,7 @@ from unbroken.launcher.workers import LocalWorkers
 from unbroken.launcher.zygote import Zygote
 from unbroken.ledger import Ledger, owner, process_start_time
 from unbroken.ledger import events as ev
-from unbroken.ledger.busy import proc_sent_bytes
+from unbroken.ledger.busy import proc_sent_bytes, proc_tcp_retransmitting
 from unbroken.log import init_logging
 from unbroken.version import __version__
 
@@ -296,6 +296,7 @@ def _run(spec: largs.JobSpec, cfg: largs.lconfig.LauncherConfig, run_dir: Path, 
             ),
             runnable_s=proc_runnable_s,
             sent_bytes=proc_sent_bytes,
+            retransmitting=proc_tcp_retransmitting,
         )
         workers = LocalWorkers(
             spec,

@@ -30,7 +30,7 @@ import json
 import logging
 import secrets
 import socket
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -146,6 +146,9 @@ class Hang:
     (cores), when measured."""
     sending: float | None = None
     """Bytes a second it wrote over that stretch, when measured."""
+    retransmitting: bool | None = None
+    """A connection of it to another host waits out a TCP retransmission timeout, when
+    measured."""
     phase: str
     """"initial" (no heartbeat yet this round), "steady", or "finishing" (past the last step:
     the initial timeout applies)."""
@@ -229,10 +232,12 @@ class HeartbeatTracker:
         on_change: calibrate.OnChange | None = None,
         runnable_s: RunClock | None = None,
         sent_bytes: ByteCount | None = None,
+        retransmitting: Callable[[int], bool | None] | None = None,
     ) -> None:
         """``on_change(name, value, previous)`` is told each move of an automatic timeout;
         ``runnable_s(pid)`` (``proc_runnable_s``) and ``sent_bytes(pid)`` (``proc_sent_bytes``)
-        tell a slow worker from a hung one (None: that test is off)."""
+        tell a slow worker from a hung one, and ``retransmitting(pid)``
+        (``proc_tcp_retransmitting``) one whose link loses packets (None: that test is off)."""
         self.enabled = enabled
         self.initial_timeout_s = initial_timeout_s
         self.steady_timeout_s = steady_timeout_s
@@ -242,6 +247,7 @@ class HeartbeatTracker:
         self.observed = observed or Observed()
         self.runnable_s = runnable_s
         self.sent_bytes = sent_bytes
+        self.retransmitting = retransmitting
         self.round = -1
         self.workers: dict[int, _Worker] = {}
         self.best_step: int | None = None
@@ -419,6 +425,11 @@ class HeartbeatTracker:
                 last_step=w.last_step,
                 runnable=self._cores(w, now),
                 sending=self._sending(w, now),
+                retransmitting=(
+                    None
+                    if self.retransmitting is None or w.pid is None
+                    else self.retransmitting(w.pid)
+                ),
             )
             for lr, w, d in suspects
         ]

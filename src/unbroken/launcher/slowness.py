@@ -17,7 +17,10 @@ called hung, the agent asks /proc whether it is working:
   wrote at least ``SENDING_BYTES_S`` bytes a second since it became one (``sent_bytes``: the
   bytes its write calls passed to the kernel, sockets included: ``proc_sent_bytes``), every
   suspect gets one more timeout, up to ``SENDING_LIMIT`` timeouts of silence. A hung collective
-  sends nothing: its peer never takes the data (or never sent its own).
+  sends nothing: its peer never takes the data (or never sent its own). Nor does a collective
+  while TCP waits out a retransmission timeout on a lossy link: a suspect with a connection to
+  another host in that state (``retransmitting``: ``proc_tcp_retransmitting``) is given time
+  the same way; a hung peer's kernel still acknowledges, a lost one's never does.
 
 Each limit keeps a worker that works without progressing (a loop that spins, a link that
 never delivers a step) from being given time for ever.
@@ -82,6 +85,8 @@ class Suspect(Protocol):
     def runnable(self) -> float | None: ...
     @property
     def sending(self) -> float | None: ...
+    @property
+    def retransmitting(self) -> bool | None: ...
 
 
 def slow_not_hung(suspects: Sequence[Suspect]) -> tuple[str | None, float]:
@@ -103,6 +108,13 @@ def slow_not_hung(suspects: Sequence[Suspect]) -> tuple[str | None, float]:
             return (
                 f"rank {h.rank} is sending ({h.sending / 1e3:.1f} kB/s: a collective over "
                 "a slow network)",
+                SENDING_LIMIT,
+            )
+    for h in suspects:
+        if h.retransmitting and within(SENDING_LIMIT):
+            return (
+                f"rank {h.rank} waits out a TCP retransmission timeout (a collective over a "
+                "lossy link)",
                 SENDING_LIMIT,
             )
     return None, 0.0

@@ -10,7 +10,8 @@ straggler's ``busy_s / dur_s`` is near 1 and the others' lower (``stragglers``).
 ``proc_sent_bytes`` reads another /proc figure of the same kind: the bytes a process passed
 to write calls (``wchar``), which tells a collective crawling over a degraded network (its data
 trickles out) from a hung one (nothing moves): the launcher's and the in-process watchdog's
-"slow, not hung" rules use it.
+"slow, not hung" rules use it; ``proc_tcp_retransmitting``, for the time TCP waits out a
+retransmission timeout and nothing is written, the launcher's.
 
 The file is opened once per thread and read with one ``pread`` (a few microseconds). Where
 it cannot be read (not Linux, no schedstat) every reading is None and no ``busy_s`` is
@@ -94,3 +95,43 @@ def proc_sent_bytes(pid: int) -> int | None:
     except (OSError, ValueError, IndexError):
         return None
     return None
+
+
+RETRANSMITTING_MAX = 5
+"""Consecutive retransmission timeouts of one segment up to which a connection counts as a lossy
+link being waited out; more: its peer is gone."""
+
+
+def proc_tcp_retransmitting(pid: int) -> bool | None:
+    """Whether process ``pid`` has a TCP connection to another host waiting out a retransmission
+    timeout now: data unacknowledged, 1 to ``RETRANSMITTING_MAX`` timeouts in a row
+    (/proc/<pid>/net/tcp{,6}'s ``retrnsmt``, of the sockets in /proc/<pid>/fd). While TCP waits,
+    a collective over a lossy link writes nothing; a hung peer's kernel still acknowledges.
+    None when the process is gone or /proc cannot say."""
+    inodes = set()
+    try:
+        names = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return None
+    for name in names:
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{name}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(int(target[8:-1]))
+    for table in ("tcp", "tcp6"):
+        try:
+            lines = Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            f = line.split()  # sl local rem st tx:rx tr:when retrnsmt uid timeout inode
+            if len(f) < 10 or f[3] != "01" or int(f[9]) not in inodes:
+                continue
+            local, remote = f[1].rsplit(":", 1)[0], f[2].rsplit(":", 1)[0]
+            if local == remote or remote.endswith("7F") or remote.endswith("01000000"):
+                continue  # this host, or loopback (127.x.x.x, ::1): no network
+            if int(f[4].split(":")[0], 16) and 1 <= int(f[6], 16) <= RETRANSMITTING_MAX:
+                return True
+    return False
