@@ -73,7 +73,8 @@ def train() -> None:
     )
     model = Model()
     trainer = Trainer(model=model, args=args, train_dataset=Data())
-    trainer.train(resume_from_checkpoint=get_last_checkpoint("checkpoints"))
+    last = get_last_checkpoint("checkpoints") if os.path.isdir("checkpoints") else None
+    trainer.train(resume_from_checkpoint=last)
     digest = weights_sha256(model)
     if int(os.environ.get("RANK", 0)) == 0:
         print(f"final_state_sha256={digest}", flush=True)
