@@ -2,5 +2,6 @@
 extra (``unbroken.integrations.lightning``: ``pip install 'unbroken[lightning]'``). They drive
 the public API from the framework's hooks.
 
-Imports of ours: ``unbroken.checkpoint``, ``unbroken.restart``.
+Imports of ours: ``unbroken.checkpoint``, ``unbroken.restart`` (and ``blob``, the
+frameworks' own state as one value).
 """

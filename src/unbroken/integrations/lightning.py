@@ -30,31 +30,19 @@ the ``lightning`` version the ``lightning`` extra pins.
 from __future__ import annotations
 
 import contextlib
-import io
 import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
-import torch
 from lightning.pytorch.trainer import call
 
 from unbroken.checkpoint import Checkpointer
+from unbroken.integrations import blob
 from unbroken.restart import RestartContext
 
 __all__ = ["TrainerState", "Unbroken"]
-
-
-def _dumps(value: Any) -> bytes:
-    buf = io.BytesIO()
-    torch.save(value, buf)
-    return buf.getvalue()
-
-
-def _loads(data: bytes) -> Any:
-    """Only what ``weights_only`` allows: a checkpoint may come from a peer's memory."""
-    return torch.load(io.BytesIO(data), weights_only=True)
 
 
 def _count_the_epoch_in_progress(loops: dict[str, Any]) -> None:
@@ -86,7 +74,7 @@ class TrainerState:
         self.loaded: dict[str, Any] | None = None
 
     def state_dict(self) -> dict[str, Any]:
-        return {"serialized": _dumps(self._collect())}
+        return {"serialized": blob.dumps(self._collect())}
 
     def _collect(self) -> dict[str, Any]:
         t = self.trainer
@@ -115,7 +103,7 @@ class TrainerState:
         return state
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        self.loaded = _loads(state["serialized"])
+        self.loaded = blob.loads(state["serialized"])
 
     def apply(self) -> None:
         """Hand the loaded state to Lightning's restore steps, in ``fit``'s order."""

@@ -28,7 +28,6 @@ versions the ``transformers`` extra allows.
 from __future__ import annotations
 
 import dataclasses
-import io
 import json
 import random
 from collections.abc import Mapping
@@ -41,23 +40,13 @@ import transformers
 from transformers.trainer_callback import ExportableState, TrainerCallback
 
 from unbroken.checkpoint import Checkpointer, PerRank
+from unbroken.integrations import blob
 from unbroken.restart import RestartContext
 
 __all__ = ["Trainer", "UnbrokenMixin", "with_unbroken"]
 
 RESUME_DIR = "hf-resume"
 """Under the checkpoint directory: the directory ``resume_from_checkpoint`` names, per rank."""
-
-
-def _dumps(value: Any) -> bytes:
-    buf = io.BytesIO()
-    torch.save(value, buf)
-    return buf.getvalue()
-
-
-def _loads(data: bytes) -> Any:
-    """Only what ``weights_only`` allows: a checkpoint may come from a peer's memory."""
-    return torch.load(io.BytesIO(data), weights_only=True)
 
 
 class _Shared:
@@ -87,10 +76,10 @@ class _Shared:
             "scheduler": t.lr_scheduler.state_dict() if t.lr_scheduler is not None else None,
             "scaler": t.accelerator.scaler.state_dict() if t.accelerator.scaler else None,
         }
-        return {"serialized": _dumps(shared)}
+        return {"serialized": blob.dumps(shared)}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        self.loaded = _loads(state["serialized"])
+        self.loaded = blob.loads(state["serialized"])
 
 
 class _Generators:
@@ -108,10 +97,10 @@ class _Generators:
         }
         if torch.cuda.is_available():
             rng["cuda"] = torch.cuda.random.get_rng_state_all()
-        return {"serialized": _dumps(rng)}
+        return {"serialized": blob.dumps(rng)}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        rng = _loads(state["serialized"])
+        rng = blob.loads(state["serialized"])
         kind, keys, pos, has_gauss, gauss = rng["numpy"]
         rng["numpy"] = (kind, keys.numpy(), pos, has_gauss, gauss)  # as the Trainer saves it
         self.loaded = rng

@@ -100,7 +100,7 @@ def _info(fd: int, inode: int, buf: ctypes.Array[ctypes.c_char]) -> tuple[int, i
         return None
     if size.value < _INFO_LEN:  # an older kernel: no out-of-order count
         ctypes.memset(ctypes.addressof(buf) + size.value, 0, _INFO_LEN - size.value)
-    state, _, retransmits, _, backoff = _HEAD.unpack_from(buf, 0)
+    _, _, retransmits, _, backoff = _HEAD.unpack_from(buf, 0)  # the state is checked above
     (unacked,) = _U32.unpack_from(buf, 24)
     (resent,) = _U32.unpack_from(buf, 100)
     (out_of_order,) = _U32.unpack_from(buf, 224)

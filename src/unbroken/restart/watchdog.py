@@ -331,10 +331,9 @@ class Watchdog:
         limits = []
         if self.protect_depth == 0:
             suspect = self._suspect
-            loss = self._loss_base
             waiting = (
                 self.sending_bps is not None and suspect is not None and suspect[0] >= since
-            ) or (self.lost_segments is not None and loss is not None)
+            ) or self.lost_segments is not None  # set by _lossy since the clock last moved
             limits.append(since + (SENDING_LIMIT * soft + hard if waiting else hard))
         if self.requested_at is not None:
             limits.append(self.requested_at + self.config.exit_timeout_s)
