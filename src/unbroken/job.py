@@ -62,7 +62,7 @@ from typing import Any, NoReturn, TypeVar
 from unbroken import restart
 from unbroken.checkpoint import node, preempt
 from unbroken.checkpoint.checkpointer import Checkpointer, open_checkpointers
-from unbroken.checkpoint.persisting import forkserver, hooks
+from unbroken.checkpoint.persisting import forkserver, hooks, inflight
 from unbroken.env import Overrides, WorkerEnv, standby_start
 from unbroken.errors import EXIT_CONFIG, ConfigError, Preempted, StopJob
 from unbroken.faults import FaultInjector, load_plan
@@ -70,7 +70,7 @@ from unbroken.launcher.client import heartbeat
 from unbroken.ledger import NULL, Ledger, phases, process_start_time
 from unbroken.ledger import events as ev
 from unbroken.ledger.active import activate
-from unbroken.ledger.writer import open_for_process, record_failure, sigterm_taken_by
+from unbroken.ledger.process import open_for_process, record_failure, sigterm_taken_by
 from unbroken.restart import Escalated, RankExcluded, RestartConfig, RestartContext
 
 logger = logging.getLogger(__name__)
@@ -337,10 +337,18 @@ def _injector(env: WorkerEnv, ledger: Ledger | None) -> FaultInjector | None:
     )
 
 
+_committed: tuple[int, int | None] = (-1, None)  # (inflight.generation() then, the step)
+
+
 def _committed_step() -> int | None:
-    """The newest step an open Checkpointer of this process saw committed (rank 0 commits)."""
-    steps = [c.last_committed for c in open_checkpointers() if c.last_committed is not None]
-    return max(steps, default=None)
+    """The newest step an open Checkpointer of this process saw committed (rank 0 commits),
+    computed again only when it may have changed (it is asked every step)."""
+    global _committed
+    seen = inflight.generation()
+    if seen != _committed[0]:
+        steps = [c.last_committed for c in open_checkpointers() if c.last_committed is not None]
+        _committed = (seen, max(steps, default=None))
+    return _committed[1]
 
 
 def _beat(step: int) -> None:
@@ -367,7 +375,7 @@ def _preemptible() -> Iterator[None]:
     """SIGTERM asks for a graceful preemption (``unbroken.checkpoint.preempt``: the next
     ``maybe_save`` agrees on a step with the other ranks, saves it and raises ``Preempted``)
     while a Checkpointer that saves is open; otherwise it ends the process as before (the
-    ledger's SIGTERM flush: ``unbroken.ledger.writer.install_sigterm_flush``)."""
+    ledger's SIGTERM flush: ``unbroken.ledger.process.install_sigterm_flush``)."""
     previous = None
     main = threading.current_thread() is threading.main_thread()
     if main and signal.getsignal(signal.SIGTERM) in (signal.SIG_DFL, None):  # no ledger

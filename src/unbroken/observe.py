@@ -32,7 +32,7 @@ from unbroken.launcher.client import heartbeat
 from unbroken.ledger import Ledger, process_start_time
 from unbroken.ledger import events as ev
 from unbroken.ledger.active import current as active_ledger
-from unbroken.ledger.writer import open_for_process, record_failure
+from unbroken.ledger.process import open_for_process, record_failure
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -124,3 +124,31 @@ def test_a_command_without_another_fault_free_run_runs_clean_twice() -> None:
         ("inprocess-nofault", 1),
     ]
     assert _schedule(a, ["inprocess"], reference) == [("clean", 1), ("inprocess", 1)]
+
+
+def test_an_earlier_runs_directories_logs_plan_and_report_are_removed_and_nothing_else(
+    tmp_path: Path,
+) -> None:
+    """A run adds its records to the ledger it finds: a second benchmark into the same --out
+    would read as one run with the first."""
+    from unbroken.bench.recovery import clear_earlier_run
+
+    for run in ("clean", "inprocess.run2"):
+        (tmp_path / run / "events").mkdir(parents=True)
+        (tmp_path / f"{run}.log").write_text("output")
+    (tmp_path / "launcher").mkdir()  # no ledger: not a run
+    (tmp_path / "clean2" / "events").mkdir(parents=True)  # not a configuration's name
+    for name in ("plan.yaml", "report.html", "results.json", "notes.txt"):
+        (tmp_path / name).write_text("x")
+    removed = clear_earlier_run(tmp_path)
+    assert removed == [
+        "clean",
+        "clean.log",
+        "inprocess.run2",
+        "inprocess.run2.log",
+        "plan.yaml",
+        "report.html",
+    ]
+    left = sorted(p.name for p in tmp_path.iterdir())
+    assert left == ["clean2", "launcher", "notes.txt", "results.json"]
+    assert clear_earlier_run(tmp_path) == []

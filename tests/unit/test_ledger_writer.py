@@ -96,6 +96,10 @@ def test_bad_inputs_are_rejected(tmp_path: Path) -> None:
         Event(kind=ev.STEP, data={"rank": 3})
     led = Ledger(tmp_path, run="r", rank=0)
     try:
+        with pytest.raises(ValueError, match=r"redefine common fields: \['rank'\]"):
+            led.step(0, rank=3)  # the step record's own path says it too
+        with pytest.raises(ValueError, match="redefine common"), led.phase("data", ts=1.0):
+            pass
         invalid = pytest.raises(ValueError, match="phase name 'lunch break' is not valid")
         with invalid, led.phase("lunch break"):
             pass
@@ -128,6 +132,11 @@ _CHILD = textwrap.dedent(
     mode, run_dir = sys.argv[1], sys.argv[2]
     led = Ledger(run_dir, run="r", rank=0)
     install_sigterm_flush(led)
+    if mode == "step-then-kill":
+        with led.phase("data"):
+            pass
+        led.step(0, loss=0.5)
+        os.kill(os.getpid(), signal.SIGKILL)
     if mode == "sigterm":
         for i in range(2000):
             led.emit("step", step=i)
@@ -152,6 +161,58 @@ def test_sigterm_loses_nothing(tmp_path: Path) -> None:
     proc = _child("sigterm", tmp_path)
     assert proc.wait(timeout=60) == -signal.SIGTERM
     assert [e.get("step") for e in read_events(tmp_path)] == list(range(2000))
+
+
+def test_a_step_and_its_phase_survive_a_sigkill_right_after_step_returns(tmp_path: Path) -> None:
+    """The training thread writes its step record (and the short phase before it) itself."""
+    assert _child("step-then-kill", tmp_path).wait(timeout=60) == -signal.SIGKILL
+    got = [(e.kind, e.get("name"), e.get("step"), e.get("loss")) for e in read_events(tmp_path)]
+    assert got == [("phase", "data", None, None), ("step", None, 0, 0.5)]
+
+
+def test_slow_storage_sends_step_records_through_the_writer_thread(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A step record write slower than the limit (here: any) pauses the training thread's own
+    writes: the next records are queued, and none is lost."""
+    monkeypatch.setattr(writer, "SYNC_WRITE_LIMIT_S", 0.0)
+    led = Ledger(tmp_path, run="r", rank=0)
+    queued: list[object] = []
+    monkeypatch.setattr(led, "_queue", _Spy(led._queue, lambda item: queued.append(item)))
+    try:
+        with caplog.at_level("INFO", logger="unbroken.ledger.writer"):
+            led.step(0)  # written by this thread, and slower than 0 s
+            assert [e.get("step") for e in read_events(tmp_path)] == [0] and queued == []
+            led.step(1)
+            led.step(2)
+        assert [item[5]["step"] for item in queued if isinstance(item, tuple)] == [1, 2]
+        assert led.flush(timeout_s=5)
+        assert [e.get("step") for e in read_events(tmp_path)] == [0, 1, 2]
+        assert "step records go through the writer thread" in caplog.text
+    finally:
+        led.close()
+
+
+class _Spy:
+    """A queue that tells ``seen`` what is put in it."""
+
+    def __init__(self, inner: object, seen: object) -> None:
+        self._inner, self._seen = inner, seen
+
+    def put(self, item: object) -> None:
+        self._seen(item)  # type: ignore[operator]
+        self._inner.put(item)  # type: ignore[attr-defined]
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._inner, name)
+
+
+def test_flush_after_close_says_everything_was_written(tmp_path: Path) -> None:
+    led = Ledger(tmp_path, run="r", rank=0)
+    led.emit(ev.PROCESS_START, pid=os.getpid())
+    led.close()
+    assert led.flush(timeout_s=2)
+    assert [e.kind for e in read_events(tmp_path)] == [ev.PROCESS_START]
 
 
 def test_sigkill_loses_at_most_the_last_moments(tmp_path: Path) -> None:
@@ -205,3 +266,32 @@ def test_sigterm_is_prompt_while_the_main_thread_is_blocked_in_native_code(
     assert proc.wait(timeout=20) == -signal.SIGTERM
     proc.stdout.close()
     assert [e.get("step") for e in read_events(tmp_path)] == list(range(100))
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        {"step": 3, "dur_s": 0.0123, "busy_s": 1e-06, "loss": -2.5e300},
+        {"name": "data.v-2_x", "dur_s": 0.0, "ok": True, "no": False, "none": None},
+        {},
+    ],
+)
+def test_a_step_record_formatted_directly_is_what_the_event_writes(data: dict) -> None:
+    item = (ev.STEP, 1733380000.123456, 1, 2, 3, data)
+    event = Event(kind=ev.STEP, ts=item[1], run='r"1', rank=1, attempt=2, iteration=3, data=data)
+    assert ev.plain_json('"r\\"1"', *item) == event.to_json()
+
+
+@pytest.mark.parametrize(
+    "value", [float("nan"), float("inf"), 'say "hi"', "back\\slash", "tab\t", "é", [1], {"a": 1}]
+)
+def test_what_json_must_escape_or_cannot_hold_goes_through_the_event(
+    tmp_path: Path, value: object
+) -> None:
+    assert ev.plain_json('"r"', ev.STEP, 1.0, 0, 0, 0, {"x": value}) is None
+    led = Ledger(tmp_path, run="r", rank=0)
+    led.step(0, x=value)
+    led.close()
+    (record,) = read_events(tmp_path)
+    got = record.get("x")
+    assert got == value or (isinstance(value, float) and str(got) == str(value))

@@ -251,7 +251,7 @@ def test_abort_completes_under_a_thread_interrupting_without_pause(tmp_path: Pat
 
 
 # --- the ledger ---------------------------------------------------------------------------------
-@pytest.mark.parametrize("point", ["Condition.__enter__", "Condition.__exit__"])
+@pytest.mark.parametrize("point", ["Ledger.emit", "Event.__post_init__"])
 def test_a_ledger_record_is_written_when_the_interrupt_lands_in_emit(
     tmp_path: Path, point: str
 ) -> None:

@@ -56,7 +56,9 @@ logger = logging.getLogger(__name__)
 CLAIM = "ckpt"
 MOUNT = "/checkpoints"
 CONFIGS = ("clean", "spare", "spare-disk", "replace", "baseline")
-TERMINATION_GRACE_S = 10.0
+TERMINATION_GRACE_S = 20.0
+"""The emulated pods' grace period (Kubernetes' default is 30 s): a drained pod's workers save
+within it less 2 s, then its agent exits; six ranks on two loaded cores can need over 10 s."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -125,7 +125,11 @@ def _write_plan(a: argparse.Namespace, out_dir: Path, steps: int) -> Path:
 def run_bench(a: argparse.Namespace) -> list[ConfigResult]:
     """Run every requested configuration; returns their results (clean first)."""
     out_dir = Path(a.out).resolve()
+    if out_dir.exists() and not out_dir.is_dir():
+        raise ValueError(f"--out {a.out} is a file, not a directory: pass another --out")
     out_dir.mkdir(parents=True, exist_ok=True)
+    if removed := clear_earlier_run(out_dir):
+        print(f"removed an earlier run's {', '.join(removed)} from {out_dir}", flush=True)
     w = Workload(
         model=a.model or "tiny",
         steps=a.steps if a.steps is not None else 200,
@@ -194,6 +198,32 @@ def run_bench(a: argparse.Namespace) -> list[ConfigResult]:
     _judge(results, out_dir)
     set_gaps(results)
     return results
+
+
+def clear_earlier_run(out_dir: Path) -> list[str]:
+    """Remove from ``out_dir`` what an earlier benchmark wrote there: each configuration's run
+    directory (one holding a ledger, ``events/``; a run adds its records to the ledger it
+    finds, so two runs would read as one), its log, the plan and the HTML report. Anything else
+    is left where it is.
+
+    Returns:
+        The names removed.
+    """
+    runs = re.compile(rf"({'|'.join(map(re.escape, CONFIGS))})(\.run\d+)?")
+    removed = []
+    for entry in sorted(out_dir.iterdir()):
+        name = entry.name.removesuffix(".log") if entry.is_file() else entry.name
+        if entry.is_dir() and runs.fullmatch(name) and (entry / "events").is_dir():
+            shutil.rmtree(entry)
+        elif entry.is_file() and (
+            entry.name in ("plan.yaml", "report.html")
+            or (entry.name.endswith(".log") and runs.fullmatch(name))
+        ):
+            entry.unlink()
+        else:
+            continue
+        removed.append(entry.name)
+    return removed
 
 
 def _steps_of(results: list[ConfigResult]) -> int | None:
@@ -316,7 +346,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--max-restarts", type=int, default=20)
     p.add_argument("--job-timeout-s", type=float, default=900.0)
-    p.add_argument("--out", default="runs/bench-recovery", help="output directory")
+    p.add_argument(
+        "--out",
+        default="runs/bench-recovery",
+        help="output directory (an earlier benchmark's runs, logs, plan and report there are "
+        "removed first; anything else is left)",
+    )
     p.add_argument("--json", metavar="PATH", help="write the table as JSON")
     p.add_argument(
         "--kb",

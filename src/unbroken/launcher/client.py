@@ -3,7 +3,7 @@
 One UDP datagram on the loopback to ``UNBROKEN_HEARTBEAT_ADDR``, signed with the job's secret
 ``UNBROKEN_HEARTBEAT_KEY`` (HMAC-SHA256) when the agent gave one; it never blocks and never
 raises. Outside ``unbroken-run`` (no address in the environment) a call is a no-op costing a
-``getpid`` and a comparison. Call it once per training step, after the step completes (the
+comparison. Call it once per training step, after the step completes (the
 reference script does so right after its ledger step record); pass ``committed_step`` when a
 checkpoint of that step is durable, so the agent's no-progress guard can see it.
 
@@ -17,7 +17,6 @@ Never imports torch. Imports of ours: ``unbroken.env``.
 
 from __future__ import annotations
 
-import hashlib
 import hmac
 import json
 import os
@@ -36,7 +35,7 @@ STEP_GAP_S = 0.05
 
 def sign(key: bytes, payload: bytes) -> bytes:
     """A signed datagram: the hex HMAC-SHA256 of ``payload`` under ``key``, a space, ``payload``."""
-    return hmac.new(key, payload, hashlib.sha256).hexdigest().encode() + b" " + payload
+    return hmac.digest(key, payload, "sha256").hex().encode() + b" " + payload
 
 
 class _Client:
@@ -106,17 +105,25 @@ class _Client:
 
 
 _client: _Client | None = None
-_client_pid = -1
+_known = False  # _client is this process's (None: no agent); a fork forgets it
+
+
+def _forget() -> None:
+    global _known
+    _known = False
+
+
+os.register_at_fork(after_in_child=_forget)
 
 
 def _get() -> _Client | None:
-    global _client, _client_pid
-    pid = os.getpid()
-    if pid == _client_pid:
+    global _client, _known
+    if _known:
         return _client
-    if _client is not None:
+    if _client is not None:  # the parent's (a fork): this process's copy of its socket
         _client.sock.close()
-    _client, _client_pid = None, pid
+        _client = None
+    _known = True
     try:
         target = uenv.HeartbeatEnv.from_environ()
         if target is None:
@@ -155,7 +162,7 @@ def heartbeat(
 
 def reset() -> None:
     """Forget the cached client (tests; the environment changed)."""
-    global _client, _client_pid
+    global _client, _known
     if _client is not None:
         _client.sock.close()
-    _client, _client_pid = None, -1
+    _client, _known = None, False

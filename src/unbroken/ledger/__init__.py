@@ -11,9 +11,10 @@ so any process (a launcher, the dashboard) can use it cheaply. Imports of ours:
 from unbroken.ledger import events, goodput, report
 from unbroken.ledger.events import Event
 from unbroken.ledger.goodput import FaultRecord, RunReport, compute
+from unbroken.ledger.process import install_sigterm_flush
 from unbroken.ledger.reader import read_events, read_run
 from unbroken.ledger.recorder import NULL, NullRecorder, Recorder
-from unbroken.ledger.writer import Ledger, install_sigterm_flush, process_start_time
+from unbroken.ledger.writer import Ledger, process_start_time
 
 __all__ = [
     "NULL",

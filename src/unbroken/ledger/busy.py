@@ -28,6 +28,18 @@ from pathlib import Path
 
 PATH = "/proc/thread-self/schedstat"
 
+_forks = 0
+"""Forks this process's line has been through: a reading of another process's thread is no
+lap (counted at fork, not asked with ``getpid`` at each reading: a step's code runs cold)."""
+
+
+def _forked() -> None:
+    global _forks
+    _forks += 1
+
+
+os.register_at_fork(after_in_child=_forked)
+
 
 class BusyClock:
     """Readings of one thread's run + run-queue time; ``lap()`` gives the time since the last.
@@ -38,7 +50,7 @@ class BusyClock:
 
     def __init__(self) -> None:
         self._fd: int | None = None
-        self._thread: tuple[int, int] | None = None
+        self._thread: tuple[int, int] | None = None  # (forks, thread ident) of the reading
         self._last: int | None = None
         self._broken = False
 
@@ -47,7 +59,7 @@ class BusyClock:
         reading forgotten when it was another thread's, or another process's: a fork)."""
         if self._broken:
             return None
-        me = (os.getpid(), threading.get_ident())
+        me = (_forks, threading.get_ident())
         if me != self._thread:
             self.close()
             try:

@@ -16,6 +16,7 @@ whose only records are ``alert``.
 from __future__ import annotations
 
 import json
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -93,6 +94,8 @@ LAUNCHER_RANK = -1
 WATCHER_RANK = -2  # a process that only watches the ledger (the dashboard recording alerts)
 
 _COMMON = ("ts", "run", "rank", "attempt", "iteration", "kind")
+COMMON_FIELDS = frozenset(_COMMON)
+"""The fields every record has; a record's data may not name them."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -117,9 +120,9 @@ class Event:
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise ValueError(f"unknown event kind {self.kind!r}; expected one of {sorted(KINDS)}")
-        clash = set(self.data) & set(_COMMON)
-        if clash:
-            raise ValueError(f"event data may not redefine common fields: {sorted(clash)}")
+        if not COMMON_FIELDS.isdisjoint(self.data):
+            clash = sorted(COMMON_FIELDS.intersection(self.data))
+            raise ValueError(f"event data may not redefine common fields: {clash}")
 
     @property
     def dur_s(self) -> float | None:
@@ -212,3 +215,40 @@ class Event:
             KeyError: As ``from_dict``.
         """
         return cls.from_dict(json.loads(line))
+
+
+def plain_json(
+    run_json: str, kind: str, ts: float, rank: int, attempt: int, iteration: int, data: Any
+) -> str | None:
+    """The record ``Event.to_json`` writes for these fields (``run_json``: the run id as JSON),
+    formatted directly, when every value in ``data`` is a finite float, an int, a bool, None or
+    a string needing no escape; else None. (The training thread writes its step records
+    itself, where the json module costs it tens of microseconds more, run cold.)"""
+    parts = [
+        f'{{"ts":{ts!r},"run":{run_json},"rank":{rank},"attempt":{attempt},'
+        f'"iteration":{iteration},"kind":"{kind}"'
+    ]
+    for key, value in data.items():
+        kind_of = type(value)
+        if kind_of is float:
+            if not math.isfinite(value):
+                return None
+            text = repr(value)
+        elif kind_of is int:
+            text = str(value)
+        elif kind_of is bool or value is None:
+            text = "true" if value is True else "false" if value is False else "null"
+        elif kind_of is str and _plain(value):
+            text = f'"{value}"'
+        else:
+            return None
+        if not _plain(key):
+            return None
+        parts.append(f',"{key}":{text}')
+    parts.append("}")
+    return "".join(parts)
+
+
+def _plain(text: str) -> bool:
+    """A string JSON holds as it is: printable ASCII without quote or backslash."""
+    return text.isascii() and text.isprintable() and '"' not in text and "\\" not in text

@@ -27,15 +27,20 @@ LIBRARY = ("init", "recovery", "restore", "save", "persist", "shutdown")
 _NAME = re.compile(r"[A-Za-z][A-Za-z0-9_.-]{0,63}")
 _listeners: list[Listener] = []
 _stack: list[str] = []
+_valid: set[str] = set()  # names check_name passed (it runs on every step's phase)
 
 
 def check_name(name: object) -> str:
     """``name`` if it is a valid phase name, else ValueError saying what one looks like."""
+    if type(name) is str and name in _valid:
+        return name
     if not isinstance(name, str) or not _NAME.fullmatch(name):
         raise ValueError(
             f"phase name {name!r} is not valid: use a letter, then up to 63 letters, digits, "
             "'_', '.' or '-' (e.g. 'data', 'validation')"
         )
+    if len(_valid) < 1024:
+        _valid.add(name)
     return name
 
 
@@ -47,13 +52,29 @@ def active() -> tuple[str, ...]:
 @contextmanager
 def region(name: str) -> Iterator[None]:
     """The enclosed block is phase ``name``; listeners hear it on entry (and may raise)."""
+    push(name)
+    try:
+        yield
+    finally:
+        pop()
+
+
+def push(name: str) -> None:
+    """Enter phase ``name`` (``region``'s entry, for a caller that is a context manager
+    itself): on the stack, then every listener hears it; a listener that raises leaves the
+    stack as it was. Leave with ``pop``."""
     _stack.append(name)
     try:
         for listener in tuple(_listeners):
             listener(name)
-        yield
-    finally:
+    except BaseException:
         _stack.pop()
+        raise
+
+
+def pop() -> None:
+    """Leave the innermost phase (``push``'s)."""
+    _stack.pop()
 
 
 def entered(name: str) -> None:

@@ -13,8 +13,8 @@ thread; ``set_context``, ``mark``, ``step`` and ``phase`` from the training thre
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import AbstractContextManager, contextmanager
+import contextlib
+from contextlib import AbstractContextManager
 from typing import Any, Protocol
 
 
@@ -122,9 +122,8 @@ class NullRecorder(Recorder):
     def mark(self, ts: float | None = None) -> None:
         return None
 
-    @contextmanager
-    def phase(self, name: str, **data: Any) -> Iterator[None]:
-        yield
+    def phase(self, name: str, **data: Any) -> AbstractContextManager[None]:
+        return contextlib.nullcontext()
 
     def set_context(
         self, *, rank: int | None = None, attempt: int | None = None, iteration: int | None = None

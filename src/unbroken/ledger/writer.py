@@ -3,6 +3,10 @@
 ``emit`` puts a record on a queue and returns (a few microseconds); a background thread writes
 queued records to ``<run_dir>/events/<host>-p<pid>-<incarnation>.jsonl`` with one ``os.write`` per
 batch on an ``O_APPEND`` descriptor, so a written record is in the kernel's page cache at once.
+The training thread's own per-step records (``step``, and the phases before it) it writes
+itself, at once: no thread is woken for them, and none is lost to a SIGKILL after ``step``
+returns; while the writer thread is in a write or an fsync, or after one of these writes was
+slow (storage that stalls), they are queued instead, so slow storage never holds up a step.
 
 What can be lost:
 - SIGKILL of the process: only records still in the queue, i.e. emitted in the last few
@@ -21,17 +25,14 @@ from __future__ import annotations
 import atexit
 import collections
 import contextlib
+import json
 import logging
 import os
 import queue
-import signal
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from pathlib import Path
-from types import FrameType
 from typing import Any
 
 from unbroken.ledger import events as ev
@@ -42,7 +43,23 @@ from unbroken.mask import masked
 logger = logging.getLogger(__name__)
 
 _STOP = object()
-_WAKE = object()  # flush: write what waits in the lazy list now
+_Raw = tuple[str, float, int, int, int, dict[str, Any]]
+"""A record queued by ``Ledger._raw``: kind, ts, rank, attempt, iteration, data."""
+
+
+class _Flush:
+    """A flush's marker in the queue: set once every record queued before it is written."""
+
+    __slots__ = ("done",)
+
+    def __init__(self) -> None:
+        self.done = threading.Event()
+
+
+SYNC_WRITE_LIMIT_S = 0.005
+"""A step record the training thread wrote itself that took longer than this (storage that
+stalls) sends its records through the writer thread for ``SYNC_PAUSE_S``."""
+SYNC_PAUSE_S = 60.0
 
 LAZY_PHASE_S = 0.5
 """A phase shorter than this is queued without waking the writer: the next record that wakes it
@@ -119,6 +136,7 @@ class Ledger:
         if fsync_interval_s <= 0:
             raise ValueError(f"fsync_interval_s must be > 0, got {fsync_interval_s}")
         self.run = run
+        self._run_json = json.dumps(run)
         self.rank = rank
         self.attempt = attempt
         self.iteration = iteration
@@ -128,10 +146,10 @@ class Ledger:
         self.path = events_dir / file_name()
         self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        self._lazy: collections.deque[ev.Event] = collections.deque()
-        self._enqueued = 0
-        self._written = 0
-        self._cond = threading.Condition()
+        self._lazy: collections.deque[ev.Event | _Raw] = collections.deque()
+        self._fd_lock = threading.Lock()  # the descriptor is closed under it
+        self._io_since: float | None = None  # the writer thread is in a write or an fsync
+        self._sync_paused_until = 0.0
         self._closed = False
         self._mark = time.time()
         self._busy = BusyClock()
@@ -187,8 +205,6 @@ class Ledger:
         if self._closed:
             logger.debug("ledger closed; dropping %s record", kind)
             return event
-        with self._cond:
-            self._enqueued += 1
         if lazy:
             self._lazy.append(event)
         else:
@@ -234,31 +250,82 @@ class Ledger:
             step: The step completed.
             **data: More fields of its record (``loss=...``).
         """
+        if data and not ev.COMMON_FIELDS.isdisjoint(data):
+            ev.Event(kind=ev.STEP, data=data)  # raises, saying which
         busy = self._busy.lap()
         if busy is not None:
             data.setdefault("busy_s", round(busy, 6))
         now = time.time()
-        self.emit(ev.STEP, ts=now, step=step, dur_s=max(0.0, now - self._mark), **data)
+        data["step"] = step
+        data["dur_s"] = max(0.0, now - self._mark)
+        self._raw(ev.STEP, now, data, lazy=False)
         self._mark = now
 
-    @contextmanager
-    def phase(self, name: str, **data: Any) -> Iterator[None]:
-        """Record the enclosed block as a phase; moves the step boundary to its end.
+    def _raw(self, kind: str, ts: float, data: dict[str, Any], *, lazy: bool) -> None:
+        """A record of the training thread's per-step calls (``step``, a phase) whose fields
+        are known to be valid. A lazy one waits in the lazy list. Another is written by the
+        calling thread at once, with the lazy ones before it (``_write_now``), unless the
+        writer thread is in a write or an fsync or storage was slow lately: then queued."""
+        if self._closed:
+            return
+        item = (kind, ts, self.rank, self.attempt, self.iteration, data)
+        if lazy:
+            self._lazy.append(item)
+        elif self._io_since is None and time.monotonic() >= self._sync_paused_until:
+            self._write_now(item)
+        else:
+            self._queue.put(item)
+
+    @masked
+    def _write_now(self, item: _Raw) -> None:
+        """Write ``item`` (and the lazy list) on the calling thread: a step's record is in the
+        page cache when ``step`` returns, and no thread is woken for it (a wake-up a step,
+        with the hand-over of the interpreter lock, cost a rank ~0.15 ms of its step here)."""
+        batch: list[ev.Event | _Raw] = []
+        with contextlib.suppress(IndexError):  # the writer thread may drain it meanwhile
+            while self._lazy:
+                batch.append(self._lazy.popleft())
+        batch.append(item)
+        t0 = time.monotonic()
+        with self._fd_lock:
+            if self._closed:
+                return
+            self._write(batch)
+        took = time.monotonic() - t0
+        if took > SYNC_WRITE_LIMIT_S:
+            self._sync_paused_until = time.monotonic() + SYNC_PAUSE_S
+            logger.info(
+                "a ledger write took %.3f s: step records go through the writer thread for %.0f s",
+                took,
+                SYNC_PAUSE_S,
+            )
+
+    def phase(self, name: str, **data: Any) -> _Phase:
+        """Record the enclosed block as a phase; moves the step boundary to its end. A block
+        that raises is not recorded.
 
         Args:
             name: The phase's name (``unbroken.ledger.events.PHASES``, or a user's).
             **data: More fields of its record.
+
+        Returns:
+            A context manager around the block (a class, not a generator: it runs every step,
+            where each call's code runs cold after the step's compute).
 
         Raises:
             ValueError: For a user's phase name that is not valid.
         """
         if name not in ev.PHASES:
             check_name(name)  # a user's phase (``RestartContext.phase``)
-        begin = time.time()
-        yield
+        return _Phase(self, name, data)
+
+    def _phase_ended(self, name: str, begin: float, data: dict[str, Any]) -> None:
         end = time.time()
-        lazy = end - begin < LAZY_PHASE_S
-        self.interval(ev.PHASE, begin=begin, end=end, lazy=lazy, name=name, **data)
+        if data and not ev.COMMON_FIELDS.isdisjoint(data):
+            ev.Event(kind=ev.PHASE, data=data)  # raises, saying which
+        data["name"] = name
+        data["dur_s"] = max(0.0, end - begin)
+        self._raw(ev.PHASE, end, data, lazy=end - begin < LAZY_PHASE_S)
         self._mark = end
         self._busy.reset()
 
@@ -270,19 +337,17 @@ class Ledger:
             timeout_s: How long at most.
 
         Returns:
-            False on timeout.
+            False on timeout (or when the writer thread ended without a ``close``).
         """
         deadline = time.monotonic() + timeout_s
-        if self._lazy:
-            self._queue.put(_WAKE)
-        with self._cond:
-            target = self._enqueued
-            while self._written < target and self._thread.is_alive():
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return False
-                self._cond.wait(left)
-            return self._written >= target
+        marker = _Flush()
+        self._queue.put(marker)
+        while not marker.done.wait(max(0.0, min(0.1, deadline - time.monotonic()))):
+            if not self._thread.is_alive():
+                return self._closed  # a close wrote everything queued before its stop
+            if time.monotonic() >= deadline:
+                return False
+        return True
 
     def close(self, timeout_s: float = 5.0) -> None:
         """Write everything queued, fsync, and stop the writer thread. Idempotent; every caller
@@ -313,35 +378,59 @@ class Ledger:
                 item = self._queue.get(timeout=self._fsync_interval_s)
             except queue.Empty:
                 item = None
-            batch: list[ev.Event] = []
+            batch: list[ev.Event | _Raw] = []
+            flushes: list[_Flush] = []
             while self._lazy:  # emitted before what woke the writer
                 batch.append(self._lazy.popleft())
-            if item is _STOP:
-                stop = True
-            elif item is not None and item is not _WAKE:
-                batch.append(item)
-            while True:  # drain what is already queued into one write
-                try:
-                    nxt = self._queue.get_nowait()
-                except queue.Empty:
-                    break
-                if nxt is _STOP:
+            while item is not None:  # this one, then what is already queued: one write
+                if item is _STOP:
                     stop = True
-                elif nxt is not _WAKE:
-                    batch.append(nxt)
-            while stop and self._lazy:  # the last ones
+                elif isinstance(item, _Flush):
+                    flushes.append(item)
+                else:
+                    batch.append(item)
+                try:
+                    item = self._queue.get_nowait()
+                except queue.Empty:
+                    item = None
+            while (stop or flushes) and self._lazy:  # the last ones, or a flush's
                 batch.append(self._lazy.popleft())
             if batch:
+                self._io_since = time.monotonic()
                 self._write(batch)
+                self._io_since = None
+            for flush in flushes:
+                flush.done.set()
             now = time.monotonic()
             if stop or (now - last_sync >= self._fsync_interval_s):
+                self._io_since = now
                 self._fsync()
+                self._io_since = None
                 last_sync = now
-        self._fsync()
-        os.close(self._fd)
+        with self._fd_lock:
+            self._fsync()
+            os.close(self._fd)
 
-    def _write(self, batch: list[ev.Event]) -> None:
-        payload = "".join(e.to_json() + "\n" for e in batch).encode()
+    def _write(self, batch: list[ev.Event | _Raw]) -> None:
+        lines = []
+        for item in batch:
+            if type(item) is tuple:
+                line = ev.plain_json(self._run_json, *item)
+                if line is None:
+                    kind, ts, rank, attempt, iteration, data = item
+                    line = ev.Event(
+                        kind=kind,
+                        ts=ts,
+                        run=self.run,
+                        rank=rank,
+                        attempt=attempt,
+                        iteration=iteration,
+                        data=data,
+                    ).to_json()
+                lines.append(line)
+            else:
+                lines.append(item.to_json())  # type: ignore[union-attr]
+        payload = ("\n".join(lines) + "\n").encode()
         try:
             view = memoryview(payload)
             while view:
@@ -349,9 +438,6 @@ class Ledger:
                 view = view[n:]
         except OSError:
             logger.exception("ledger write to %s failed; %d records lost", self.path, len(batch))
-        with self._cond:
-            self._written += len(batch)
-            self._cond.notify_all()
 
     def _fsync(self) -> None:
         try:
@@ -360,136 +446,20 @@ class Ledger:
             logger.warning("fsync of %s failed", self.path)
 
 
-def open_for_process(
-    run_dir: Path, *, run: str, rank: int, attempt: int, started: float, **fields: Any
-) -> Ledger:
-    """The ledger of a training process, opened as each opens it (``unbroken.run``, the
-    observer of a plain script): its directory made, the SIGTERM flush installed, its
-    ``process_start`` record (``ts`` = ``started``; ``pid``, ``host``, ``python`` and
-    ``fields``), the ``import`` phase from ``started`` to now, the step boundary, and after a
-    launcher restart (``attempt`` > 0) the restart's end."""
-    import platform
+class _Phase:
+    """``Ledger.phase``'s context manager."""
 
-    run_dir.mkdir(parents=True, exist_ok=True)
-    ledger = Ledger(run_dir, run=run, rank=rank, attempt=attempt)
-    install_sigterm_flush(ledger)
-    ledger.emit(
-        ev.PROCESS_START,
-        ts=started,
-        pid=os.getpid(),
-        host=socket.gethostname(),
-        python=platform.python_version(),
-        **fields,
-    )
-    ledger.interval(ev.PHASE, begin=started, name="import")
-    ledger.mark()
-    if attempt > 0:
-        ledger.emit(ev.RESTART_END, layer="launcher")
-    return ledger
+    __slots__ = ("_ledger", "_name", "_data", "_begin")
 
+    def __init__(self, ledger: Ledger, name: str, data: dict[str, Any]) -> None:
+        self._ledger = ledger
+        self._name = name
+        self._data = data
+        self._begin = 0.0
 
-def record_failure(ledger: Ledger, error: BaseException, *, fault_rank: int) -> None:
-    """The error that ends a training process, as the fault its peers and the launcher will
-    see (``fault_detected``, detector "exception")."""
-    ledger.emit(
-        ev.FAULT_DETECTED,
-        cause=type(error).__name__,
-        detector="exception",
-        fault_rank=fault_rank,
-        message=str(error)[:500],
-    )
+    def __enter__(self) -> None:
+        self._begin = time.time()
 
-
-_takers: list[Callable[[], bool]] = []
-
-
-@contextlib.contextmanager
-def sigterm_taken_by(taker: Callable[[], bool]) -> Iterator[None]:
-    """While the block runs, a SIGTERM that ``taker()`` takes (returns True: it stops the
-    process its own way, e.g. a graceful preemption) neither closes the ledger nor ends the
-    process (``install_sigterm_flush``). ``taker`` may run on any thread; keep it cheap.
-
-    Args:
-        taker: Asked at each SIGTERM.
-    """
-    _takers.append(taker)
-    try:
-        yield
-    finally:
-        _takers.remove(taker)
-
-
-def _taken() -> bool:
-    try:
-        return any(taker() for taker in list(_takers))
-    except Exception:  # a taker that breaks takes nothing: SIGTERM ends the process as before
-        logger.exception("a SIGTERM taker failed")
-        return False
-
-
-def install_sigterm_flush(ledger: Ledger) -> None:
-    """On SIGTERM: close the ledger (writing every record), then die of SIGTERM as before
-    (unless a ``sigterm_taken_by`` taker takes it).
-
-    Prompt even when the main thread is blocked in native code (a collective, a store wait),
-    where a Python signal handler only runs once that call returns: the interpreter's C-level
-    handler writes the signal number to a wakeup fd, and a small thread reading it closes the
-    ledger and re-raises SIGTERM with the default action. Falls back to a plain Python handler
-    when the wakeup fd is taken (e.g. by asyncio), and chains to a Python handler already
-    installed. Main thread only (elsewhere it does nothing).
-
-    Args:
-        ledger: The ledger to close.
-    """
-    if threading.current_thread() is not threading.main_thread():
-        return
-    previous = signal.getsignal(signal.SIGTERM)
-
-    def handler(signum: int, frame: FrameType | None) -> None:
-        if _taken():
-            return
-        ledger.close()
-        if callable(previous):
-            previous(signum, frame)
-            return
-        _die_of_sigterm()
-
-    signal.signal(signal.SIGTERM, handler)
-    if callable(previous):
-        return
-    r, w = os.pipe()
-    os.set_blocking(w, False)
-    try:
-        old_fd = signal.set_wakeup_fd(w, warn_on_full_buffer=False)
-    except ValueError:  # pragma: no cover - not the main thread of the main interpreter
-        old_fd = -2
-    if old_fd != -1:  # someone else's: give it back and rely on the Python handler
-        if old_fd >= 0:
-            signal.set_wakeup_fd(old_fd)
-        os.close(r)
-        os.close(w)
-        return
-
-    def watch() -> None:
-        while True:
-            data = os.read(r, 64)
-            if not data or (signal.SIGTERM in data and not _taken()):
-                break
-        ledger.close()
-        _die_of_sigterm()
-
-    threading.Thread(target=watch, name="unbroken-sigterm", daemon=True).start()
-
-
-def _die_of_sigterm() -> None:
-    """End the process by SIGTERM's default action, from any thread."""
-    import ctypes
-
-    try:  # signal.signal() is main-thread only; the C library's is process-wide
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.signal(ctypes.c_int(signal.SIGTERM), ctypes.c_void_p(0))  # SIG_DFL
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
-        os.kill(os.getpid(), signal.SIGTERM)
-        time.sleep(1.0)
-    finally:
-        os._exit(128 + signal.SIGTERM)
+    def __exit__(self, kind: type[BaseException] | None, *_: object) -> None:
+        if kind is None:
+            self._ledger._phase_ended(self._name, self._begin, self._data)

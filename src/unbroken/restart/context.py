@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -153,8 +153,7 @@ class RestartContext:
         if self._monitor is not None:
             self._monitor.progress(step=False)
 
-    @contextmanager
-    def phase(self, name: str) -> Iterator[None]:
+    def phase(self, name: str) -> AbstractContextManager[None]:
         """The enclosed block is the named phase ``name`` of the job ("data", "validation",
         any name: a letter, then letters, digits, ``_.-``).
 
@@ -170,25 +169,14 @@ class RestartContext:
         Args:
             name: The phase's name.
 
+        Returns:
+            The context manager (a class: a step's calls run cold after its compute, where
+            every generator frame costs tens of microseconds).
+
         Raises:
             ValueError: For an invalid name.
         """
-        phases.check_name(name)
-        if self._monitor is not None:
-            self._monitor.enter_phase(name)
-        t0 = time.monotonic()
-        try:
-            with self._ledger.phase(name):
-                for hook in self._phase_hooks:
-                    hook(name, None)
-                with phases.region(name):
-                    yield
-        finally:
-            if self._monitor is not None:
-                self._monitor.exit_phase(name)
-        dur_s = time.monotonic() - t0
-        for hook in self._phase_hooks:
-            hook(name, dur_s)
+        return _Phase(self, phases.check_name(name))
 
     def add_step_hook(self, hook: StepHook) -> None:
         """Call ``hook(step)`` at the end of every ``step_done`` of this iteration.
@@ -239,3 +227,47 @@ class RestartContext:
             yield
         finally:
             self._monitor.protect(enter=False)
+
+
+class _Phase:
+    """``RestartContext.phase``'s context manager: the watchdog's phase, the ledger's record,
+    the phase hooks and the phase stack (whose listeners may raise: the fault injector)."""
+
+    __slots__ = ("_ctx", "_name", "_t0", "_record")
+
+    def __init__(self, ctx: RestartContext, name: str) -> None:
+        self._ctx = ctx
+        self._name = name
+        self._t0 = 0.0
+        self._record: AbstractContextManager[None] | None = None
+
+    def __enter__(self) -> None:
+        ctx, name = self._ctx, self._name
+        if ctx._monitor is not None:
+            ctx._monitor.enter_phase(name)
+        try:
+            self._t0 = time.monotonic()
+            record = ctx._ledger.phase(name)
+            record.__enter__()
+            self._record = record  # recorded at a clean exit only: not when a hook raises
+            for hook in ctx._phase_hooks:
+                hook(name, None)
+            phases.push(name)
+        except BaseException:
+            if ctx._monitor is not None:
+                ctx._monitor.exit_phase(name)
+            raise
+
+    def __exit__(self, kind: type[BaseException] | None, value: Any, tb: Any) -> None:
+        ctx, name = self._ctx, self._name
+        phases.pop()
+        try:
+            assert self._record is not None
+            self._record.__exit__(kind, value, tb)
+        finally:
+            if ctx._monitor is not None:
+                ctx._monitor.exit_phase(name)
+        if kind is None:
+            dur_s = time.monotonic() - self._t0
+            for hook in ctx._phase_hooks:
+                hook(name, dur_s)

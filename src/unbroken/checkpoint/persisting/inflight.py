@@ -32,6 +32,23 @@ from unbroken.mask import masked
 
 logger = logging.getLogger(__name__)
 
+_changes = 0
+
+
+def changed() -> None:
+    """A commit was seen, or a Checkpointer created, closed or aborted (an ``Inflight``
+    made, closed or its writer killed): see ``generation``."""
+    global _changes
+    _changes += 1
+
+
+def generation() -> int:
+    """A number that changes whenever the committed steps of this process's open
+    Checkpointers may have: what is computed from them on every step (the launcher
+    heartbeat's) is computed again only then."""
+    return _changes
+
+
 _POLL_S = 0.005
 
 Outcome = Literal["persisted", "committed", "abandoned", "failed"]
@@ -114,6 +131,7 @@ class Inflight:
         """The newest save handed over (done or not), or None before the first."""
         self.last_committed: int | None = None
         """Newest step seen committed (rank 0 only: it commits), else None."""
+        changed()  # a Checkpointer made
         self.health = StorageHealth(config)
         """The failing periods of this rank's storage and the back-off between attempts."""
         self._cond = threading.Condition()
@@ -214,6 +232,7 @@ class Inflight:
                 removed=msg["removed"],
             )
             self.last_committed = step
+            changed()
             self._succeeded(step)
             self.finish(save, "committed")
         elif kind == "abandoned":
@@ -381,12 +400,14 @@ class Inflight:
     # --- the end -----------------------------------------------------------------------------
     def kill_writer(self) -> None:
         """SIGKILL the writer without waiting (``close`` reaps it)."""
+        changed()  # an abort: its Checkpointer is closed
         if self.writer is not None:
             self.writer.kill_nowait()
 
     def close(self) -> None:
         """Stop the writer (it finishes the message it is on) and reap it, and the writers
         replaced before it."""
+        changed()  # its Checkpointer is closed
         if self.writer is not None:
             self.writer.close()
         for old in self._retired:
