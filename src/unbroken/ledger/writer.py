@@ -407,9 +407,14 @@ class Ledger:
                 self._fsync()
                 self._io_since = None
                 last_sync = now
-        with self._fd_lock:
-            self._fsync()
-            os.close(self._fd)
+        self._fsync()
+        # Not while the training thread writes (the descriptor's number could be reused under
+        # it); that thread may be the one closing, from a signal handler: then it stays open.
+        if self._fd_lock.acquire(timeout=1.0):
+            try:
+                os.close(self._fd)
+            finally:
+                self._fd_lock.release()
 
     def _write(self, batch: list[ev.Event | _Raw]) -> None:
         lines = []
