@@ -295,3 +295,46 @@ def test_what_json_must_escape_or_cannot_hold_goes_through_the_event(
     (record,) = read_events(tmp_path)
     got = record.get("x")
     assert got == value or (isinstance(value, float) and str(got) == str(value))
+
+
+_MOUNTINFO = """\
+22 27 0:21 / /proc rw,relatime - proc proc rw
+27 1 254:0 / / rw,relatime - ext4 /dev/vda rw
+40 27 0:50 / /mnt/fsx rw,relatime - lustre 10.0.0.5@tcp:/fsx rw
+41 40 0:51 / /mnt/fsx/scratch rw,relatime - tmpfs tmpfs rw
+42 27 0:52 / /mnt/my\\040share rw,relatime shared:7 - nfs4 server:/share rw
+43 27 0:53 / /mnt/fuse rw,relatime - fuse.s3fs s3fs rw
+"""
+
+
+@pytest.mark.parametrize(
+    ("path", "local"),
+    [
+        ("/work/run", True),  # ext4
+        ("/mnt/fsx/run/events", False),  # Lustre (FSx)
+        ("/mnt/fsx/scratch/events", True),  # a tmpfs mounted inside it: the deepest mount
+        ("/mnt/fsxother/events", True),  # only starts like /mnt/fsx: on the root's ext4
+        ("/mnt/my share/events", False),  # NFS, its space escaped in mountinfo
+        ("/mnt/fuse/events", False),
+    ],
+)
+def test_step_records_are_written_by_the_training_thread_only_on_a_local_file_system(
+    path: str, local: bool
+) -> None:
+    assert writer.local_file_system(Path(path), _MOUNTINFO) is local
+
+
+def test_a_ledger_on_a_network_file_system_queues_its_step_records(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(writer, "local_file_system", lambda path: False)
+    led = Ledger(tmp_path, run="r", rank=0)
+    queued: list[object] = []
+    monkeypatch.setattr(led, "_queue", _Spy(led._queue, queued.append))
+    try:
+        led.step(0)
+        assert led.flush(timeout_s=5)
+        assert [item[5]["step"] for item in queued if isinstance(item, tuple)] == [0]
+        assert [e.get("step") for e in read_events(tmp_path)] == [0]
+    finally:
+        led.close()

@@ -61,10 +61,34 @@ SYNC_WRITE_LIMIT_S = 0.005
 stalls) sends its records through the writer thread for ``SYNC_PAUSE_S``."""
 SYNC_PAUSE_S = 60.0
 
+LOCAL_FILE_SYSTEMS = frozenset(
+    {"ext2", "ext3", "ext4", "xfs", "btrfs", "f2fs", "zfs", "tmpfs", "ramfs", "overlay"}
+)
+"""File systems whose writes to the page cache never wait on a network: the training thread
+writes its step records itself only there (``local_file_system``)."""
+
 LAZY_PHASE_S = 0.5
-"""A phase shorter than this is queued without waking the writer: the next record that wakes it
-(the step's) takes it along, one wake-up a step instead of two (a thread wake-up costs the
-rank 0.1-0.3 ms of CPU on a loaded machine). A longer phase (a validation) wakes it at once."""
+"""A phase shorter than this waits to be written with the next step's record (or the next
+wake-up of the writer thread); a longer one (a validation) is written at once."""
+
+
+def local_file_system(path: Path, mountinfo: str | None = None) -> bool:
+    """Whether ``path`` lies on one of ``LOCAL_FILE_SYSTEMS`` (its mount in
+    ``/proc/self/mountinfo``, or ``mountinfo``'s text): a network file system (NFS, Lustre,
+    a FUSE mount) can make a write wait on a server, which the training thread must not."""
+    try:
+        target = str(path.resolve())
+        text = Path("/proc/self/mountinfo").read_text() if mountinfo is None else mountinfo
+        best, kind = "", ""
+        for line in text.splitlines():
+            left, _, right = line.partition(" - ")
+            mount = left.split()[4].replace("\\040", " ")
+            inside = target == mount or target.startswith(mount.rstrip("/") + "/")
+            if inside and len(mount) >= len(best):  # the deepest; a later one mounted over it
+                best, kind = mount, right.split()[0]
+        return kind in LOCAL_FILE_SYSTEMS
+    except (OSError, IndexError):
+        return False
 
 
 def process_start_time() -> float:
@@ -145,6 +169,7 @@ class Ledger:
         events_dir.mkdir(parents=True, exist_ok=True)
         self.path = events_dir / file_name()
         self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        self._sync_writes = local_file_system(events_dir)
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._lazy: collections.deque[ev.Event | _Raw] = collections.deque()
         self._fd_lock = threading.Lock()  # the descriptor is closed under it
@@ -265,13 +290,18 @@ class Ledger:
         """A record of the training thread's per-step calls (``step``, a phase) whose fields
         are known to be valid. A lazy one waits in the lazy list. Another is written by the
         calling thread at once, with the lazy ones before it (``_write_now``), unless the
-        writer thread is in a write or an fsync or storage was slow lately: then queued."""
+        ledger is on a network file system, the writer thread is in a write or an fsync, or
+        storage was slow lately: then queued."""
         if self._closed:
             return
         item = (kind, ts, self.rank, self.attempt, self.iteration, data)
         if lazy:
             self._lazy.append(item)
-        elif self._io_since is None and time.monotonic() >= self._sync_paused_until:
+        elif (
+            self._sync_writes
+            and self._io_since is None
+            and time.monotonic() >= self._sync_paused_until
+        ):
             self._write_now(item)
         else:
             self._queue.put(item)
@@ -279,8 +309,8 @@ class Ledger:
     @masked
     def _write_now(self, item: _Raw) -> None:
         """Write ``item`` (and the lazy list) on the calling thread: a step's record is in the
-        page cache when ``step`` returns, and no thread is woken for it (a wake-up a step,
-        with the hand-over of the interpreter lock, cost a rank ~0.15 ms of its step here)."""
+        page cache when ``step`` returns, and no thread is woken for it (nor hands the
+        interpreter lock back and forth with the training thread, a step)."""
         batch: list[ev.Event | _Raw] = []
         with contextlib.suppress(IndexError):  # the writer thread may drain it meanwhile
             while self._lazy:
