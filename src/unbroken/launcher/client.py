@@ -29,8 +29,9 @@ from unbroken import env as uenv
 VERSION = 1
 
 STEP_GAP_S = 0.05
-"""A new step is told at most this often (a datagram costs the training thread ~80 us: a
-15 ms step sends every fourth); a new committed step or the last step is told at once."""
+"""A new step is told at most this often (a signed datagram is the dearest of a step's calls,
+so a short step does not send one every step); a new committed step or the last step is told
+at once."""
 
 
 def sign(key: bytes, payload: bytes) -> bytes:
