@@ -4,9 +4,10 @@
 queued records to ``<run_dir>/events/<host>-p<pid>-<incarnation>.jsonl`` with one ``os.write`` per
 batch on an ``O_APPEND`` descriptor, so a written record is in the kernel's page cache at once.
 The training thread's own per-step records (``step``, and the phases before it) it writes
-itself, at once: no thread is woken for them, and none is lost to a SIGKILL after ``step``
-returns; while the writer thread is in a write or an fsync, or after one of these writes was
-slow (storage that stalls), they are queued instead, so slow storage never holds up a step.
+itself, at once, on a local file system: no thread is woken for them, and none is lost to a
+SIGKILL after ``step`` returns. On a network file system, while the writer thread is in a write
+or an fsync, or after one of these writes was slow (storage that stalls), they are queued
+instead, so storage never holds up a step.
 
 What can be lost:
 - SIGKILL of the process: only records still in the queue, i.e. emitted in the last few
@@ -173,7 +174,7 @@ class Ledger:
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._lazy: collections.deque[ev.Event | _Raw] = collections.deque()
         self._fd_lock = threading.Lock()  # the descriptor is closed under it
-        self._io_since: float | None = None  # the writer thread is in a write or an fsync
+        self._in_io = False  # the writer thread is in a write or an fsync
         self._sync_paused_until = 0.0
         self._closed = False
         self._mark = time.time()
@@ -275,8 +276,6 @@ class Ledger:
             step: The step completed.
             **data: More fields of its record (``loss=...``).
         """
-        if data and not ev.COMMON_FIELDS.isdisjoint(data):
-            ev.Event(kind=ev.STEP, data=data)  # raises, saying which
         busy = self._busy.lap()
         if busy is not None:
             data.setdefault("busy_s", round(busy, 6))
@@ -287,21 +286,20 @@ class Ledger:
         self._mark = now
 
     def _raw(self, kind: str, ts: float, data: dict[str, Any], *, lazy: bool) -> None:
-        """A record of the training thread's per-step calls (``step``, a phase) whose fields
-        are known to be valid. A lazy one waits in the lazy list. Another is written by the
+        """A record of the training thread's per-step calls (``step``, a phase), of a known
+        kind (ValueError for a field named like a common one). A lazy one waits in the lazy
+        list. Another is written by the
         calling thread at once, with the lazy ones before it (``_write_now``), unless the
         ledger is on a network file system, the writer thread is in a write or an fsync, or
         storage was slow lately: then queued."""
+        if not ev.COMMON_FIELDS.isdisjoint(data):
+            ev.Event(kind=kind, data=data)  # raises, saying which
         if self._closed:
             return
         item = (kind, ts, self.rank, self.attempt, self.iteration, data)
         if lazy:
             self._lazy.append(item)
-        elif (
-            self._sync_writes
-            and self._io_since is None
-            and time.monotonic() >= self._sync_paused_until
-        ):
+        elif self._sync_writes and not self._in_io and time.monotonic() >= self._sync_paused_until:
             self._write_now(item)
         else:
             self._queue.put(item)
@@ -351,8 +349,6 @@ class Ledger:
 
     def _phase_ended(self, name: str, begin: float, data: dict[str, Any]) -> None:
         end = time.time()
-        if data and not ev.COMMON_FIELDS.isdisjoint(data):
-            ev.Event(kind=ev.PHASE, data=data)  # raises, saying which
         data["name"] = name
         data["dur_s"] = max(0.0, end - begin)
         self._raw(ev.PHASE, end, data, lazy=end - begin < LAZY_PHASE_S)
@@ -426,16 +422,16 @@ class Ledger:
             while (stop or flushes) and self._lazy:  # the last ones, or a flush's
                 batch.append(self._lazy.popleft())
             if batch:
-                self._io_since = time.monotonic()
+                self._in_io = True
                 self._write(batch)
-                self._io_since = None
+                self._in_io = False
             for flush in flushes:
                 flush.done.set()
             now = time.monotonic()
             if stop or (now - last_sync >= self._fsync_interval_s):
-                self._io_since = now
+                self._in_io = True
                 self._fsync()
-                self._io_since = None
+                self._in_io = False
                 last_sync = now
         self._fsync()
         # Not while the training thread writes (the descriptor's number could be reused under
