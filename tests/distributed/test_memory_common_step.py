@@ -1,7 +1,9 @@
 """Two ranks whose newest snapshots differ (rank 0 sealed step 2, rank 1's copy of step 2 never
 finished: it holds steps 0 and 1) restore the newest step both hold, step 1, from memory and
-bit for bit; the ledger says which steps each rank held. One snapshot slot per rank, as
-before, would have left them nothing in common and sent them to disk."""
+bit for bit; the ledger says which steps each rank held. A ring of snapshots (``memory_slots``
+3): one slot without the ranks' agreement would have left them nothing in common and sent them
+to disk; with one slot (the default), rank 0 does not replace step 1 without rank 1
+(``test_memory_lean``)."""
 
 from __future__ import annotations
 
@@ -30,7 +32,7 @@ WORKER = textwrap.dedent(
     optim = torch.optim.AdamW(model.parameters(), lr=3e-3)
     state = {"model": model, "optim": optim}
     tokens = torch.randint(0, 512, (2, 17), generator=torch.Generator().manual_seed(0))
-    ck = Checkpointer(root, snapshot_every=1, eager_writer=False, run="common")
+    ck = Checkpointer(root, snapshot_every=1, memory_slots=3, eager_writer=False, run="common")
     after = {}
     for step in range(3):
         wmodel.loss_fn(model(tokens[:, :-1]), tokens[:, 1:]).backward()

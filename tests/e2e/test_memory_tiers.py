@@ -2,7 +2,7 @@
 ranks, a snapshot after every step, a durable save every 4): an exception restores from the
 process's own memory and loses no step, also between snapshots (the step rescued as the
 worker unwinds); a SIGKILL restores from the memory the agent kept for
-the dead rank and loses at most one; a corrupt memory falls back to disk. Each ends bit-exact."""
+the dead rank; a corrupt memory falls back to disk. Each ends bit-exact."""
 
 from __future__ import annotations
 
@@ -65,7 +65,9 @@ def test_a_sigkill_restores_from_the_memory_the_agent_kept(reference: str, tmp_p
     assert _run(tmp_path, "--faults", plan) == [reference, reference]
     [fault] = goodput.compute(read_events(tmp_path)).faults
     assert (fault.layer, fault.restore_tier) == ("launcher", "memory"), fault
-    assert fault.restored_step in (4, 5) and fault.steps_lost <= 1, fault
+    # One copy per rank: a snapshot due while the writer still writes the save of step 3 from
+    # it (its first save starts the writer) waits, so the newest step held is 3, 4 or 5.
+    assert 3 <= fault.restored_step <= 5 and fault.steps_lost <= 2, fault
     loads = _loads(tmp_path)
     assert {(e.rank, e.get("source")) for e in loads} == {(0, "keeper"), (1, "keeper")}
     assert all("checksums verified" in e.get("why") for e in loads), [e.data for e in loads]
@@ -101,8 +103,11 @@ def test_without_in_process_restart_the_faulted_rank_rescues(
     [fault] = goodput.compute(read_events(tmp_path)).faults
     [load, *_] = _loads(tmp_path)
     held = load.get("memory")
-    assert held[1] == [6, 5, 3], load.data  # the faulted rank rescued step 6
-    assert held[0] in ([5, 3, 2], [6, 5, 3], [5, 3]), load.data
+    # The faulted rank rescued step 6 into its spare; its one snapshot is step 5's, or step
+    # 3's save when step 5's snapshot came while the writer still wrote step 3 (one copy),
+    # or step 6's, when that snapshot waited for the writer until step 6.
+    assert held[1] in ([6, 5], [6, 3], [6]), load.data
+    assert held[0] in ([5], [6, 5], [3], [6, 3], [6]), load.data
     assert (fault.layer, fault.restore_tier) == ("launcher", "memory")
     assert fault.restored_step == held[0][0] and fault.steps_lost == 6 - held[0][0]
 

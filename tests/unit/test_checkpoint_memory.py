@@ -209,7 +209,14 @@ def test_snapshots_every_step_persist_every_third_and_restore_the_last(tmp_path:
     led = Ledger(tmp_path, run="t", rank=0)
     model, optim = mlp(0)
     state = {"model": model, "optim": optim}
-    ck = Checkpointer(tmp_path / "ckpt", ledger=led, every_steps=3, snapshot_every=1, overlap=True)
+    ck = Checkpointer(
+        tmp_path / "ckpt",
+        ledger=led,
+        every_steps=3,
+        snapshot_every=1,
+        overlap=True,
+        memory_slots=3,  # a ring: snapshots while a save persists
+    )
     for step in range(5):
         train_step(model, optim)
         assert ck.maybe_save(step, state)
@@ -238,8 +245,12 @@ def test_snapshots_every_step_persist_every_third_and_restore_the_last(tmp_path:
 def test_snapshot_settings_are_checked() -> None:
     with pytest.raises(ValueError, match="snapshot_every=2 needs memory_tier=True"):
         CheckpointConfig(snapshot_every=2, memory_tier=False)
-    with pytest.raises(ValueError, match="memory_slots must be >= 2"):
-        CheckpointConfig(memory_slots=1)
+    with pytest.raises(ValueError, match="memory_slots must be >= 1"):
+        CheckpointConfig(memory_slots=0)
     assert CheckpointConfig(memory_tier=False, memory_slots=1).regions == 1
+    lean = CheckpointConfig()  # one snapshot and the spare a rescue uses
+    assert lean.lean and (lean.regions, lean.resident_regions) == (2, 1)
+    ring = CheckpointConfig(memory_slots=3)
+    assert not ring.lean and (ring.regions, ring.resident_regions) == (3, 3)
     assert CheckpointConfig(snapshot_every=4).snapshot_due(3)
     assert not CheckpointConfig(snapshot_every=4).snapshot_due(4)

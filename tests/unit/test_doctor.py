@@ -66,12 +66,12 @@ def test_the_text_report_has_one_line_per_check(healthy: tuple[doctor.Report, Pa
 
 
 def test_staging_is_state_x_ranks_x_regions_plus_peer_replicas() -> None:
-    assert DoctorConfig(state_gb=2, nproc_per_node=4).staging_bytes() == 2 * GB * 4 * 3
+    assert DoctorConfig(state_gb=2, nproc_per_node=4).staging_bytes() == 2 * GB * 4 * 1
     assert DoctorConfig(state_gb=2, nproc_per_node=4, memory_slots=2).staging_bytes() == (
         2 * GB * 4 * 2
     )
     assert DoctorConfig(state_gb=2, nproc_per_node=4, nnodes=2).staging_bytes() == (
-        2 * GB * 4 * (3 + 2)
+        2 * GB * 4 * (1 + 2)
     )
     no_tier = DoctorConfig(state_gb=2, nproc_per_node=4, nnodes=2, memory_tier=False)
     assert no_tier.staging_bytes() == 2 * GB * 4 * 1
@@ -251,7 +251,7 @@ def test_more_ranks_than_devices_or_no_device_is_reported() -> None:
         ["--state-gb", "inf"],
         ["--nproc-per-node", "0"],
         ["--nnodes", "0"],
-        ["--memory-slots", "1"],
+        ["--memory-slots", "0"],
         ["--keep", "0"],
     ],
 )

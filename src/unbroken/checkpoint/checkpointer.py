@@ -11,10 +11,11 @@ forward/backward runs; each optimizer in the state gets a step pre-hook that wai
 copy, so ``optimizer.step()`` never changes them mid-copy. Code that changes parameters in
 place by other means (an EMA, manual edits) must call ``wait_staged()`` first.
 
-At most one save is in flight per rank. A save that comes while the previous one is still
-persisting is skipped or waits for it (``on_busy``; default "skip", see CheckpointConfig).
-Saves are not collective: a rank that skips leaves a marker and the coordinator abandons
-that step; ``maybe_save`` is, once per durable save (the ranks agree the snapshot interval).
+At most one save is in flight per rank; one that comes while the previous one persists is
+skipped or waits for it (``on_busy``). With one snapshot in memory (``memory_slots`` 1, the
+default) every save and snapshot is collective: one all-reduce, then all ranks stage or none
+(``save``); with a ring, a rank that skips leaves a marker and the coordinator abandons that
+step. ``maybe_save`` agrees the snapshot interval at every durable save (collective).
 A checkpoint directory must be on storage every rank sees (one machine, or a shared one).
 Ownership (``unbroken.ledger.owner``): the Checkpointer claims its directory for its run;
 another run's Checkpointer is refused while it runs, and its checkpoints unless ``allow_foreign``.
@@ -107,6 +108,7 @@ class Checkpointer:
         snapshot_every: ``maybe_save`` also snapshots to memory after every this many
             completed steps (0: as ``snapshot_budget`` allows); needs ``memory_tier``.
         rescue: With the memory tier, ``note`` the steps not staged (rescued after a fault).
+        memory_slots: Snapshots held in memory per rank (``CheckpointConfig.memory_slots``).
         memory_keeper: Address of the node agent's memory keeper ("": none).
         peers: Every node's peer memory service, in node order (empty: no peer tier).
         peer_index: This node's position in ``peers``.
@@ -139,6 +141,7 @@ class Checkpointer:
         memory_tier: bool | None = None,
         snapshot_every: int | None = None,
         rescue: bool | None = None,
+        memory_slots: int | None = None,
         memory_keeper: str | None = None,
         peers: Sequence[str] | None = None,
         peer_index: int | None = None,
@@ -190,8 +193,8 @@ class Checkpointer:
 
     # --- public API --------------------------------------------------------------------------
     def maybe_save(self, step: int, state: Mapping[str, Any]) -> bool:
-        """``save`` when ``step`` is due (after every ``every_steps`` completed steps), else
-        ``snapshot`` when one is due (``snapshot_every``/``snapshot_budget``), else ``note``.
+        """``save`` when due (after every ``every_steps`` completed steps), else ``snapshot``
+        when due (``snapshot_every``/``snapshot_budget``) or held back (one copy), else ``note``.
 
         Args:
             step: The step just completed (0-based).
@@ -222,6 +225,9 @@ class Checkpointer:
             return staged
         if snap or self.config.snapshot_due(step):
             return self.snapshot(step, state)
+        pending = self._saves.pending  # lean: refused while a rank's save persisted
+        if pending is not None:
+            return self._saves.save(step, state, durable=pending)
         self.note(step, state)
         return False
 
@@ -466,13 +472,7 @@ class Checkpointer:
         (``unbroken.mask``): a restart interrupt waits for it to complete."""
         if self._saves.closed:
             return
-        if self.config.memory_tier and self.config.rescue:  # the noted step, if unchanged
-            self._saves.notes.rescue(
-                self._saves.last_step,
-                self._saves.cache.plan,
-                self._saves.save,
-                self._saves.staging.wait,
-            )
+        self._saves.rescue()  # the noted step, if unchanged
         self._saves.closed = True
         self._saves.inflight.kill_writer()
         try:

@@ -127,9 +127,14 @@ class CheckpointConfig:
     (a cheap copy of the non-tensor state, recorded as a ``ckpt_stage`` of ``part`` "note"), so
     that a fault the worker unwinds from snapshots the noted step from the live state
     (``unbroken.checkpoint.staging.rescue``); False: no notes, a soft fault restores the last snapshot."""
-    memory_slots: int = 3
-    """Snapshots the staging arena holds (the memory tier; one may be the save persisting):
-    at least 2, so the ranks always hold a step in common. 1 without ``memory_tier``."""
+    memory_slots: int = 1
+    """Snapshots the staging arena holds (the memory tier; one may be the save persisting).
+    1 (the default): one copy of the state in host memory; every rank overwrites it only
+    once all ranks have agreed to (one small all-reduce per snapshot: a rank that faulted
+    before its copy keeps the others from replacing the step they hold in common), a
+    snapshot is skipped while the save in it persists, and a rescue goes to a spare region
+    whose memory is used only until the next snapshot (``unbroken.checkpoint.staging.memory``).
+    2 or more: a ring of that many copies, no agreement, snapshots while a save persists."""
     memory_keeper: str = ""
     """Address of the node agent's memory keeper (``unbroken-run`` hands workers one): the
     staging arena is given to it, so its snapshots survive this process; "": none."""
@@ -219,10 +224,9 @@ class CheckpointConfig:
                 f"snapshot_every={self.snapshot_every} needs memory_tier=True (a snapshot is "
                 "held only in memory); set memory_tier=True or snapshot_every=0"
             )
-        if self.memory_tier and self.memory_slots < 2:
+        if self.memory_slots < 1:
             raise ValueError(
-                f"memory_slots must be >= 2 with the memory tier (so every rank holds a step "
-                f"the others hold), got {self.memory_slots}"
+                f"memory_slots must be >= 1 (snapshots held in memory), got {self.memory_slots}"
             )
         if self.peers and not 0 <= self.peer_index < len(self.peers):
             raise ValueError(
@@ -268,8 +272,20 @@ class CheckpointConfig:
         return self.snapshot_every > 0 and (step + 1) % self.snapshot_every == 0
 
     @property
+    def lean(self) -> bool:
+        """The memory tier with one snapshot (``memory_slots`` 1) and a spare region."""
+        return self.memory_tier and self.memory_slots == 1
+
+    @property
     def regions(self) -> int:
-        """Regions of the staging arena: ``memory_slots``, or 1 without the memory tier."""
+        """Regions of the staging arena: ``memory_slots`` (2 when lean: the snapshot and the
+        spare a rescue uses), or 1 without the memory tier."""
+        return max(2, self.memory_slots) if self.memory_tier else 1
+
+    @property
+    def resident_regions(self) -> int:
+        """Regions whose memory is in use between faults: ``memory_slots`` with the memory
+        tier (the lean spare only from a rescue to the next snapshot), else 1."""
         return self.memory_slots if self.memory_tier else 1
 
 
@@ -282,6 +298,7 @@ SETTINGS = (
     "memory_tier",
     "snapshot_every",
     "rescue",
+    "memory_slots",
     "memory_keeper",
     "peers",
     "peer_index",
@@ -351,7 +368,6 @@ def overridden(config: CheckpointConfig, overrides: Overrides) -> CheckpointConf
         fields["snapshot_every"] = overrides.snapshot_every
         if overrides.snapshot_every:
             fields["memory_tier"] = True
-            fields["memory_slots"] = max(2, config.memory_slots)
         else:  # none between durable saves, measured or not
             fields["snapshot_budget"] = 0.0
     changed = {k: v for k, v in fields.items() if getattr(config, k) != v}

@@ -28,6 +28,7 @@ from unbroken.checkpoint import node
 from unbroken.checkpoint.config import CheckpointConfig, CheckpointError, StorageFailed
 from unbroken.checkpoint.persisting.hooks import WriterHooks
 from unbroken.checkpoint.persisting.inflight import CheckpointStats, Inflight
+from unbroken.checkpoint.schedule.adaptive import max_over_ranks
 from unbroken.checkpoint.staging.rescue import Notes
 from unbroken.checkpoint.staging.staging import Staging, fill, process_memory
 from unbroken.checkpoint.state.extras import StateExtras
@@ -85,6 +86,9 @@ class Saves:
         self.last_step: int | None = None
         """The step staged (or restored) last."""
         self.persisting_region: int | None = None
+        self.pending: bool | None = None
+        """Lean: a save (True) or snapshot (False) the ranks agreed not to stage yet (a
+        rank's one snapshot was still persisting): ``maybe_save`` tries again every step."""
         self.closed = False
 
     def check(self) -> None:
@@ -138,17 +142,29 @@ class Saves:
         return inflight.outcome in ("persisted", "committed")
 
     def save(
-        self, step: int, state: Mapping[str, Any], *, durable: bool, last: bool = False
+        self,
+        step: int,
+        state: Mapping[str, Any],
+        *,
+        durable: bool,
+        last: bool = False,
+        rescue: bool = False,
     ) -> bool:
         """``stage`` in the ``save`` phase when ``durable``.
 
         Returns:
             As ``stage``."""
         with phases.region("save") if durable else contextlib.nullcontext():
-            return self.stage(step, state, durable=durable, last=last)
+            return self.stage(step, state, durable=durable, last=last, rescue=rescue)
 
     def stage(
-        self, step: int, state: Mapping[str, Any], *, durable: bool, last: bool = False
+        self,
+        step: int,
+        state: Mapping[str, Any],
+        *,
+        durable: bool,
+        last: bool = False,
+        rescue: bool = False,
     ) -> bool:
         """Stage ``state`` as ``step``: a save (``durable``) or a memory snapshot.
 
@@ -158,16 +174,18 @@ class Saves:
             durable: A save (handed to the writer); False: a snapshot in memory only.
             last: The job's last save (a preemption): never held back or skipped, and waited
                 for (``wait`` tells whether it is durable).
+            rescue: A snapshot of a noted step as the process unwinds from a fault
+                (``rescue``): lean, it goes to the spare region, without the ranks' agreement.
 
         Returns:
             False when skipped (a save while the previous one persists, without the memory tier,
-            or a step just staged).
+            or a step just staged; lean: when a rank's one snapshot is the save persisting).
 
         Raises:
             CheckpointError: When an earlier save failed, ``ck`` is closed, or (sync) this one
                 failed.
         """
-        t0, state = time.time(), self.extras.full(state)
+        given, asked, t0, state = state, durable, time.time(), self.extras.full(state)
         self.check()
         if step == self.last_step and not last:
             return False
@@ -202,6 +220,10 @@ class Saves:
                     self.inflight.wait_done()
                 waited = time.time() - t0
                 busy = False
+        if self.staging.lean and not rescue:
+            if not self._agreed(busy and self.inflight.reading()):
+                return self._refused(step, given, t0, durable=asked, marked=skipped)
+            self.pending = None
         writer = None
         if durable or not health.failing:  # no new writer for a snapshot while storage fails
             writer, fresh = self.inflight.start_writer(self.hooks)
@@ -222,7 +244,7 @@ class Saves:
         values = [i for i in resolved.items if i.tensor is None]
         alloc_s = staging.prepare(tensors, sum(i.nbytes for i in values), writer)
         t2 = time.time()
-        region, _ = staging.begin(pinned=self.persisting_region if busy else None)
+        region, _ = staging.begin(pinned=self.persisting_region if busy else None, rescue=rescue)
         now_src, now_dst, later_src, later_dst = staging.split(region, tensors)
         staging.copy_now(now_src, now_dst)
         self.last_step = step
@@ -299,6 +321,26 @@ class Saves:
         )
         return not skipped
 
+    def _agreed(self, busy: bool) -> bool:
+        """Lean: may every rank replace its one snapshot now? One all-reduce (every rank
+        stages the same steps): a rank that faulted before getting here keeps the others from
+        replacing the step they hold in common, and a rank whose writer still reads its
+        snapshot (``busy``: the save's data not yet written) keeps every rank from staging."""
+        return max_over_ranks([1.0 if busy else 0.0])[0] == 0.0
+
+    def _refused(
+        self, step: int, state: Mapping[str, Any], t0: float, *, durable: bool, marked: bool
+    ) -> bool:
+        """Lean, a rank's snapshot is still persisting: no save or snapshot of ``step``
+        anywhere (noted instead, for a rescue); it is ``pending``. ``marked``: the save's skip
+        is recorded already."""
+        if durable and not marked:
+            self.inflight.skip(step, "a rank's save is still persisting from its one snapshot")
+        self.pending = durable or bool(self.pending)
+        self.blocked(t0, step, "agree")
+        self.note(step, state)
+        return False
+
     def _stopping(self, step: int) -> str:
         status = self.inflight.health.status()
         failing_s = 0.0 if status.failing_since is None else time.time() - status.failing_since
@@ -309,6 +351,13 @@ class Saves:
             f"ends the job; the newest committed checkpoint ({self.inflight.last_committed_on_disk()}) "
             "is intact: fix the storage and start the job again"
         )
+
+    def rescue(self) -> None:
+        """Snapshot the noted step from the live state if nothing changed since the note
+        (``rescue.Notes.rescue``), as the process unwinds from a fault (``abort``)."""
+        if self.config.memory_tier and self.config.rescue:
+            save = functools.partial(self.save, rescue=True)
+            self.notes.rescue(self.last_step, self.cache.plan, save, self.staging.wait)
 
     def note(self, step: int, state: Mapping[str, Any]) -> bool:
         """Note ``step`` of ``state`` without staging it (``rescue.Notes.take``).

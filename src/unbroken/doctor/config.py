@@ -78,7 +78,7 @@ class DoctorConfig:
             Bytes (0 without ``state_gb``).
         """
         per_rank = self.state_gb * GB
-        regions = self.checkpoint_config().regions
+        regions = self.checkpoint_config().resident_regions
         if self.memory_tier and self.nnodes > 1:
             regions += PEER_REGIONS
         return per_rank * self.nproc_per_node * regions

@@ -73,7 +73,7 @@ class PlanConfig:
     """Snapshots in host memory (local, and a peer's copy) that restores use when they survive."""
     memory_every_steps: int | None = None
     """Steps between memory-tier snapshots; None: the best interval."""
-    memory_slots: int = 3
+    memory_slots: int = 1
     """Copies of its shard each rank's staging arena holds (the Checkpointer's memory_slots)."""
     replica_slots: int = 2
     """Copies of another node's shard each rank's peer replica holds (multi-node jobs)."""

@@ -101,6 +101,8 @@ class Save:
     sent_ts: float | None = None
     outcome: Outcome | None = None
     error: str | None = None
+    written: bool = False
+    """The writer has written this rank's data: it reads the staged bytes no more."""
 
     @property
     def done(self) -> bool:
@@ -181,6 +183,11 @@ class Inflight:
         """True while the current save has no outcome yet."""
         return self.current is not None and not self.current.done
 
+    def reading(self) -> bool:
+        """True while the writer may still read the current save's staged bytes."""
+        save = self.current
+        return save is not None and not save.done and not save.written
+
     def send(self, msg: dict[str, Any], save: Save) -> None:
         """Hand the staged ``save`` to the writer (from the training or the stager thread)."""
         assert self.writer is not None
@@ -205,6 +212,7 @@ class Inflight:
             logger.warning("checkpoint writer reported %s for step %s, not in flight", kind, step)
             return
         if kind == "persisted":
+            save.written = True
             self.stats.persist_s.append(msg["end"] - msg["begin"])
             self.recorder.interval(
                 ev.CKPT_PERSIST,

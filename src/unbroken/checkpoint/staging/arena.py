@@ -61,6 +61,7 @@ class Arena:
         self._bytes: torch.Tensor | None = None
         self._pinned = False
         self._pin_tried = False
+        self._touch = 0
 
     @classmethod
     def adopt(cls, fd: int, *, name: str = "unbroken-ckpt") -> Arena:
@@ -78,9 +79,17 @@ class Arena:
         arena.generation = 1
         return arena
 
-    def ensure(self, nbytes: int, *, pin: bool = False) -> bool:
+    def ensure(self, nbytes: int, *, pin: bool = False, touch: int | None = None) -> bool:
         """Make the arena at least ``nbytes``; returns True when it was (re)allocated, in
-        which case the writer must be handed the new fd."""
+        which case the writer must be handed the new fd.
+
+        Args:
+            nbytes: The size needed.
+            pin: Page-lock the touched part for device-to-host copies (CUDA only).
+            touch: Fault in (and pin) only the first this many bytes; the rest takes memory
+                only once written (None: all).
+        """
+        self._touch = self.size if touch is None else min(touch, self.size)
         if nbytes <= self.size:
             if pin and not self._pinned and not self._pin_tried:
                 self._pin()  # an adopted arena: pin it in place, keeping what it holds
@@ -96,7 +105,8 @@ class Arena:
             raise
         self.fd, self.size, self._mm = fd, size, mm
         self._bytes = torch.frombuffer(mm, dtype=torch.uint8)
-        self._bytes.fill_(0)  # fault every page in now, not during a save
+        self._touch = size if touch is None else min(touch, size)
+        self._bytes[: self._touch].fill_(0)  # fault the pages in now, not during a save
         if pin:
             self._pin()
         self.generation += 1
@@ -135,12 +145,26 @@ class Arena:
         with memoryview(self._mm) as whole, whole[offset : offset + nbytes] as part:
             return xxhash.xxh3_64_intdigest(part)
 
+    def release(self, offset: int, nbytes: int) -> None:
+        """Give the memory of ``nbytes`` at ``offset`` (page-aligned) back: it reads as zeros
+        and takes memory again only once written (``MADV_REMOVE``, here and in every process
+        that maps the arena). Pinned pages stay as they are."""
+        mm = self._mapped()
+        end = min(offset + nbytes, self.size)
+        if end <= offset or (self._pinned and offset < (self._touch or self.size)):
+            return
+        try:
+            mm.madvise(mmap.MADV_REMOVE, offset, end - offset)
+        except OSError as e:  # a kernel without hole punching in shared memory: kept
+            logger.debug("MADV_REMOVE of the staging arena: %s", e)
+
     def _pin(self) -> None:
         assert self._bytes is not None
         self._pin_tried = True
         if not torch.cuda.is_available():
             return
-        err = torch.cuda.cudart().cudaHostRegister(self._bytes.data_ptr(), self.size, 0)
+        nbytes = self._touch or self.size
+        err = torch.cuda.cudart().cudaHostRegister(self._bytes.data_ptr(), nbytes, 0)
         if int(err) != 0:
             logger.warning("cudaHostRegister of the staging arena failed (%s); copies block", err)
             return

@@ -64,12 +64,16 @@ class Staging:
         *,
         rank: int,
         regions: int = 1,
+        lean: bool = False,
         arena: Arena | None = None,
         on_arena: Callable[[int], None] | None = None,
         on_sealed: Callable[[Arena, memory.Ring, int, int], None] | None = None,
     ) -> None:
         self.rank = rank
         self.regions = regions
+        self.lean = lean
+        """One snapshot in region 0, overwritten in place once the ranks agree; the other
+        region a spare for rescues, its memory given back once region 0 holds a newer step."""
         self.arena = arena if arena is not None else Arena()
         self.ring: memory.Ring | None = None
         self.sealed: dict[int, int] = {}
@@ -78,6 +82,10 @@ class Staging:
             self.ring, held = memory.read(arena)
             self.sealed = {s.region: s.seq for s in held}
         self.seq = max(self.sealed.values(), default=0) + 1
+        self._spare: set[int] = set(range(1, regions)) if arena is not None else set()
+        """Lean: the regions but 0 that may hold memory (written since given back)."""
+        self._replaces = False
+        """Lean: the snapshot being staged replaces the one in region 0 (not a rescue)."""
         self.slots: list[Slot] = []
         """The slot of every tensor item of the current layout (offsets in a region)."""
         self.layout_id = 0
@@ -123,10 +131,14 @@ class Staging:
             self._indices = [i.write_item.index for i in tensors]
             new_ring = memory.Ring.sized(self.regions, total, meta_bytes, ring)
             pin = any(i.tensor.is_cuda for i in tensors)
-            fresh = self.arena.ensure(new_ring.total, pin=pin)
+            touch = new_ring.base(1) if self.lean else None  # the spare: only when used
+            fresh = self.arena.ensure(new_ring.total, pin=pin, touch=touch)
             if fresh or new_ring != ring:
                 memory.write_ring(self.arena, new_ring)
                 self.sealed.clear()
+                if self.lean:
+                    self._spare.update(range(1, new_ring.regions))
+                    self._release(new_ring, keep=0)
             self.ring = new_ring
             if fresh and self._on_arena is not None:
                 self._on_arena(self.arena.fd)
@@ -148,13 +160,20 @@ class Staging:
             self._writer_layout = self.layout_id
         return time.time() - t0
 
-    def begin(self, *, pinned: int | None) -> tuple[int, list[Slot]]:
+    def begin(self, *, pinned: int | None, rescue: bool = False) -> tuple[int, list[Slot]]:
         """Pick the region for a new snapshot (an empty one, else the oldest; never ``pinned``,
-        the one the writer reads) and mark it empty; its index and the items' slots in it."""
+        the one the writer reads; lean: region 0, but a ``rescue`` picks so) and mark it
+        empty; its index and the items' slots in it."""
         ring = self.ring
         assert ring is not None
         free = [r for r in range(ring.regions) if r != pinned] or [0]
-        region = min(free, key=lambda r: self.sealed.get(r, -1))
+        self._replaces = self.lean and not rescue
+        if self._replaces:
+            region = 0
+        else:
+            region = min(free, key=lambda r: self.sealed.get(r, -1))
+            if region:
+                self._spare.add(region)
         self.sealed.pop(region, None)
         memory.clear(self.arena, ring, region)
         return region, self._region(region).slots
@@ -255,6 +274,8 @@ class Staging:
         self.seq += 1
         memory.seal(held, self.ring, relative=self.slots)
         self.sealed[held.region] = held.seq
+        if self._replaces:  # the step every rank agreed on: a rescue's spare is done with
+            self._release(self.ring, keep=0)
         if self._on_sealed is not None:
             self._on_sealed(self.arena, self.ring, held.region, held.seq)
 
@@ -285,6 +306,17 @@ class Staging:
             if r != region:
                 memory.clear(self.arena, self.ring, r)
                 del self.sealed[r]
+        if self.lean:
+            self._release(self.ring, keep=region)
+
+    def _release(self, ring: memory.Ring, *, keep: int | None) -> None:
+        """Lean: empty every region but 0 and ``keep`` and give its memory back."""
+        for r in range(1, ring.regions):
+            if r != keep and r in self._spare:
+                self.sealed.pop(r, None)
+                memory.clear(self.arena, ring, r)
+                self.arena.release(ring.base(r), ring.stride)
+                self._spare.discard(r)
 
     def hook(self, state: Mapping[str, Any], wait: Callable[[], None]) -> None:
         """Give every optimizer in ``state`` a step pre-hook calling ``wait`` (once each)."""

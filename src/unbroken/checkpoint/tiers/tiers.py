@@ -96,6 +96,7 @@ def staging_for(
     staging = Staging(
         rank=rank,
         regions=config.regions,
+        lean=config.lean,
         arena=arena,
         on_arena=functools.partial(hand_over, addr, root, rank) if addr else None,
         on_sealed=replicator.offer if replicator else None,
