@@ -14,7 +14,7 @@ optimizer state's shards, every shard filled from its own seed. For each size:
   so the median is over the later ones), persist is save to durable; then a restore from the
   memory tier (what an in-process restart does: the arena kept by ``abort``) and one from disk
   (a fresh Checkpointer without the memory tier, page cache dropped), each checked against
-  the seeds. Host memory is the staging arena's size over the state's. Then the peer tier:
+  the seeds. Host memory is the memory the staging arena takes over the state's. Then the peer tier:
   a snapshot replicated to the next node's peer service (two services on loopback), and a
   fresh Checkpointer with nothing in its memory restoring it from there (where memory allows).
 - **dcp-async**: ``dcp.async_save`` with a reused ``DefaultStager`` staging on a thread (its

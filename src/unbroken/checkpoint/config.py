@@ -131,10 +131,11 @@ class CheckpointConfig:
     """Snapshots the staging arena holds (the memory tier; one may be the save persisting).
     1 (the default): one copy of the state in host memory; every rank overwrites it only
     once all ranks have agreed to (one small all-reduce per snapshot: a rank that faulted
-    before its copy keeps the others from replacing the step they hold in common), a
-    snapshot is skipped while the save in it persists, and a rescue goes to a spare region
-    whose memory is used only until the next snapshot (``unbroken.checkpoint.staging.memory``).
-    2 or more: a ring of that many copies, no agreement, snapshots while a save persists."""
+    before its copy keeps the others from replacing the step they hold in common); a save or
+    snapshot due while the writer still writes from it is held back to the next step it is
+    free; a rescue goes to a spare region whose memory is used only until the next snapshot
+    (``unbroken.checkpoint.staging.memory``). 2 or more: a ring of that many copies, no
+    agreement, snapshots while a save persists."""
     memory_keeper: str = ""
     """Address of the node agent's memory keeper (``unbroken-run`` hands workers one): the
     staging arena is given to it, so its snapshots survive this process; "": none."""

@@ -287,7 +287,7 @@ class _Gauges:
             "Time from a failed save to the next commit (or the ledger's end), summed",
             [],
         ),
-        "unbroken_checkpoint_staging_bytes": ("Size of the staging arena", []),
+        "unbroken_checkpoint_staging_bytes": ("Memory the staging arena takes", []),
         "unbroken_checkpoint_writer_rss_bytes": ("RSS of the checkpoint writer", []),
         "unbroken_heartbeat_age_seconds": ("Seconds since the rank's last step", ["rank"]),
         "unbroken_rank_step_duration_seconds": ("Median of the rank's last steps", ["rank"]),

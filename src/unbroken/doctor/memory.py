@@ -15,8 +15,8 @@ SHM = Path("/dev/shm")
 
 
 def _staging_text(cfg: DoctorConfig) -> str:
-    regions = cfg.checkpoint_config().regions
-    per_rank = f"{regions} memory slots" if cfg.memory_tier else "1 region (no memory tier)"
+    regions = cfg.checkpoint_config().resident_regions
+    per_rank = f"{regions} memory slot(s)" if cfg.memory_tier else "1 region (no memory tier)"
     if cfg.memory_tier and cfg.nnodes > 1:
         per_rank = f"({per_rank} + {PEER_REGIONS} peer replicas)"
     return (

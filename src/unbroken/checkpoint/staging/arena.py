@@ -113,6 +113,11 @@ class Arena:
         logger.info("staging arena: %.1f MiB (generation %d)", size / 2**20, self.generation)
         return True
 
+    @property
+    def resident(self) -> int:
+        """Bytes of memory the arena takes (its pages written or touched; 0 when closed)."""
+        return os.fstat(self.fd).st_blocks * 512 if self.fd >= 0 else 0
+
     def view(self, slot: Slot) -> torch.Tensor:
         """The arena's bytes for ``slot`` as a tensor of the slot's dtype and shape."""
         assert self._bytes is not None

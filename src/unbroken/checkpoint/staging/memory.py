@@ -4,8 +4,15 @@ The arena is a ring of ``slots`` regions (``Ring``), each holding one staged ste
 the step's metadata (which item lies where, each tensor's xxh3 digest, the serialized
 non-tensor values) and the tensor bytes. A region's header is written last, after its bytes and
 metadata, and cleared first, before they are overwritten, so a process killed mid-copy leaves a
-region that reads as empty, never a torn one. With two or more regions a rank always holds the
-step before the one it is copying, so the ranks always hold a step in common.
+region that reads as empty, never a torn one. The ranks must always hold a step in common:
+
+- one snapshot per rank (lean, ``memory_slots`` 1, the default): region 0 holds it, and the
+  ranks agree in one all-reduce before any of them replaces it (``Saves.stage``), so a rank
+  that faulted before its copy keeps the others' step. A second region is a spare for the
+  rescue after a fault (``rescue``); its memory is untouched until then and given back
+  (``Arena.release``) once region 0 holds a newer step;
+- a ring of two or more (``memory_slots`` N): a rank always holds the step before the one it
+  is copying, without agreement.
 
 Two ways a ring outlives what wrote it:
 

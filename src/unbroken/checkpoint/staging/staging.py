@@ -105,8 +105,9 @@ class Staging:
 
     @property
     def size(self) -> int:
-        """Bytes of staging memory allocated (shared with the writer)."""
-        return self.arena.size
+        """Bytes of memory the staging arena takes (shared with the writer; its pages in use,
+        not a lean spare's untouched ones)."""
+        return self.arena.resident
 
     def new_writer(self) -> None:
         """The writer was replaced (the last one was killed or died): the next ``prepare``

@@ -248,9 +248,10 @@ class PeerService:
             _send(conn, {"ok": False, "error": f"no {source} for {key!r}"})
             return
         try:
-            _send(conn, {"ok": True, "nbytes": arena.size})
-            with arena.window(0, arena.size) as whole:
-                conn.sendall(whole)
+            nbytes = _used(arena)
+            _send(conn, {"ok": True, "nbytes": nbytes, "size": arena.size})
+            with arena.window(0, nbytes) as used:
+                conn.sendall(used)
         finally:
             if mine:
                 arena.close()
@@ -268,6 +269,16 @@ class PeerService:
         self._thread.join(timeout=5.0)
         for r in reps:
             r.arena.close()
+
+
+def _used(arena: Arena) -> int:
+    """Bytes of ``arena`` up to the end of its last sealed region (what a fetch needs: a lean
+    arena's spare region is sent only when it holds a snapshot, and never read into memory)."""
+    ring = memory.read_ring(arena)
+    if ring is None:
+        return arena.size
+    sealed = [r for r in range(ring.regions) if memory.sealed_as(arena, ring, r) is not None]
+    return ring.base(max(sealed) + 1) if sealed else memory.PAGE
 
 
 def _connect(peer: Peer, timeout_s: float) -> socket.socket:
@@ -306,9 +317,9 @@ def fetch(
             if not reply.get("ok"):
                 raise ValueError(reply.get("error", "refused"))
             nbytes = int(reply["nbytes"])
-            arena.ensure(nbytes)
-            with arena.window(0, nbytes) as whole:
-                _recv_exact(sock, whole)
+            arena.ensure(max(nbytes, int(reply.get("size", nbytes))), touch=nbytes)
+            with arena.window(0, nbytes) as used:
+                _recv_exact(sock, used)
     except (OSError, ValueError, KeyError) as e:
         logger.warning("could not fetch %s from peer %s:%d: %s", key, peer.host, peer.port, e)
         arena.close()
