@@ -44,11 +44,20 @@ def test_recommend_on_a_real_run(tmp_path: Path) -> None:
     (own,) = [c for c in rec["ckpt_choices"] if c["every"] == 5]
     assert own["effective"] == effective(5, lag)
 
-    # The snapshot interval is the most frequent within 1% of a step.
-    snap = obs["snapshot_s"]["median"]
+    # The snapshot interval is the most frequent within 1% of a step: a snapshot every m steps
+    # and a note at each of the others (notes are seen where a snapshot waited for the writer
+    # to write the last save from the rank's one copy).
+    snap, note = obs["snapshot_s"]["median"], obs["note_s"]["median"] or 0.0
     m = rec["snapshot_every"]
-    assert snap / m <= 0.01 * step_s * (1 + 1e-6)
-    assert m == 1 or snap / (m - 1) > 0.01 * step_s
+
+    def blocking(c: int) -> float:
+        return (snap + (c - 1) * note) / c
+
+    if note < 0.01 * step_s:
+        assert blocking(m) <= 0.01 * step_s * (1 + 1e-6)
+        assert m == 1 or blocking(m - 1) > 0.01 * step_s
+    else:  # no interval is within 1%: the one of best predicted goodput among a few
+        assert m in {1, 2, 4, 8, 16, 32, rec["ckpt_every"]}
 
     # Each timeout is 8 x the longest seen, at least 1 s, rounded up.
     timeouts = {t["name"]: t for t in rec["timeouts"]}

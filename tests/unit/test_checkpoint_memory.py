@@ -252,5 +252,7 @@ def test_snapshot_settings_are_checked() -> None:
     assert lean.lean and (lean.regions, lean.resident_regions) == (2, 1)
     ring = CheckpointConfig(memory_slots=3)
     assert not ring.lean and (ring.regions, ring.resident_regions) == (3, 3)
+    peered = CheckpointConfig(peers=("a:1#t", "b:2#t"), peer_index=0)  # replicas lag: two
+    assert not peered.lean and (peered.regions, peered.resident_regions) == (2, 2)
     assert CheckpointConfig(snapshot_every=4).snapshot_due(3)
     assert not CheckpointConfig(snapshot_every=4).snapshot_due(4)

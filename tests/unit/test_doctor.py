@@ -71,7 +71,7 @@ def test_staging_is_state_x_ranks_x_regions_plus_peer_replicas() -> None:
         2 * GB * 4 * 2
     )
     assert DoctorConfig(state_gb=2, nproc_per_node=4, nnodes=2).staging_bytes() == (
-        2 * GB * 4 * (1 + 2)
+        2 * GB * 4 * (2 + 2)
     )
     no_tier = DoctorConfig(state_gb=2, nproc_per_node=4, nnodes=2, memory_tier=False)
     assert no_tier.staging_bytes() == 2 * GB * 4 * 1

@@ -184,7 +184,7 @@ def test_the_memory_tier_per_node_is_what_the_checkpointer_and_the_peer_replica_
     assert cfg.memory_slots == CheckpointConfig().memory_slots
     assert cfg.replica_slots == peers._REPLICA_REGIONS
     shard_node = cfg.shard_bytes * cfg.gpus_per_node
-    assert cfg.nodes > 1 and cfg.memory_tier_bytes_per_node == 3 * shard_node
+    assert cfg.nodes > 1 and cfg.memory_tier_bytes_per_node == 4 * shard_node
     one = PlanConfig(nodes=1)  # no peer replica on one node
     assert one.memory_tier_bytes_per_node == 1 * one.shard_bytes * one.gpus_per_node
     with pytest.raises(ValueError, match="memory_slots must be >= 1"):

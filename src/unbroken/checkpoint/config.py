@@ -134,8 +134,9 @@ class CheckpointConfig:
     before its copy keeps the others from replacing the step they hold in common); a save or
     snapshot due while the writer still writes from it is held back to the next step it is
     free; a rescue goes to a spare region whose memory is used only until the next snapshot
-    (``unbroken.checkpoint.staging.memory``). 2 or more: a ring of that many copies, no
-    agreement, snapshots while a save persists."""
+    (``unbroken.checkpoint.staging.memory``). 2 or more, and 1 with ``peers`` (a multi-node
+    job's peer tier): a ring of that many copies (at least 2), no agreement, snapshots while a
+    save persists."""
     memory_keeper: str = ""
     """Address of the node agent's memory keeper (``unbroken-run`` hands workers one): the
     staging arena is given to it, so its snapshots survive this process; "": none."""
@@ -274,20 +275,22 @@ class CheckpointConfig:
 
     @property
     def lean(self) -> bool:
-        """The memory tier with one snapshot (``memory_slots`` 1) and a spare region."""
-        return self.memory_tier and self.memory_slots == 1
+        """The memory tier with one snapshot (``memory_slots`` 1) and a spare region; not with
+        ``peers``: a node's replica is sent after its snapshot, so after a node loss the lost
+        ranks' newest replica may be the step before the others' newest, which they keep too."""
+        return self.memory_tier and self.memory_slots == 1 and not self.peers
 
     @property
     def regions(self) -> int:
-        """Regions of the staging arena: ``memory_slots`` (2 when lean: the snapshot and the
-        spare a rescue uses), or 1 without the memory tier."""
+        """Regions of the staging arena: ``memory_slots``, at least 2 (lean: the snapshot and
+        the spare a rescue uses; with ``peers``: the two newest), or 1 without the memory tier."""
         return max(2, self.memory_slots) if self.memory_tier else 1
 
     @property
     def resident_regions(self) -> int:
-        """Regions whose memory is in use between faults: ``memory_slots`` with the memory
-        tier (the lean spare only from a rescue to the next snapshot), else 1."""
-        return self.memory_slots if self.memory_tier else 1
+        """Regions whose memory is in use between faults: 1 lean (its spare only from a rescue
+        to the next snapshot), else ``regions``."""
+        return 1 if self.lean else self.regions
 
 
 SETTINGS = (

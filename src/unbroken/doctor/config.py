@@ -63,12 +63,15 @@ class DoctorConfig:
         """The Checkpointer settings the staging and the disk space are sized for.
 
         Returns:
-            The settings, with the tier's slots (1 region without the tier) and ``keep``.
+            The settings, with the tier's slots (1 region without the tier; at least 2 on more
+            than one node, where the peer tier holds a rank's one too) and ``keep``.
 
         Raises:
             ValueError: ``memory_slots`` or ``keep`` out of range (as the Checkpointer says).
         """
         slots = self.memory_slots if self.memory_tier else 1
+        if self.memory_tier and self.nnodes > 1 and slots >= 1:
+            slots = max(2, slots)
         return CheckpointConfig(memory_tier=self.memory_tier, memory_slots=slots, keep=self.keep)
 
     def staging_bytes(self) -> float:

@@ -204,7 +204,10 @@ class PlanConfig:
     def memory_tier_bytes_per_node(self) -> float:
         """Host memory the memory tier takes on one node: every rank's arena, and in a
         multi-node job the replica of the previous node's ranks."""
-        slots = self.memory_slots + (self.replica_slots if self.nodes > 1 else 0)
+        if self.nodes > 1:  # the peer tier: a ring of at least two (CheckpointConfig.lean)
+            slots = max(2, self.memory_slots) + self.replica_slots
+        else:
+            slots = self.memory_slots
         return slots * self.shard_bytes * self.gpus_per_node
 
     @property

@@ -211,7 +211,9 @@ class Inflight:
         if save is None or save.step != step:
             logger.warning("checkpoint writer reported %s for step %s, not in flight", kind, step)
             return
-        if kind == "persisted":
+        if kind == "written":  # its staged bytes are in the file (not yet fsynced)
+            save.written = True
+        elif kind == "persisted":
             save.written = True
             self.stats.persist_s.append(msg["end"] - msg["begin"])
             self.recorder.interval(

@@ -345,6 +345,7 @@ class Writer:
                 add(wi, offset)
             stream.flush()
             t1 = time.monotonic()
+            self.reply({"type": "written", "step": msg["step"]})  # the arena is free again
             os.fsync(fd)
             t2 = time.monotonic()
         finally:

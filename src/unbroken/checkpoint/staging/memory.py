@@ -6,7 +6,8 @@ non-tensor values) and the tensor bytes. A region's header is written last, afte
 metadata, and cleared first, before they are overwritten, so a process killed mid-copy leaves a
 region that reads as empty, never a torn one. The ranks must always hold a step in common:
 
-- one snapshot per rank (lean, ``memory_slots`` 1, the default): region 0 holds it, and the
+- one snapshot per rank (lean, ``memory_slots`` 1, the default without the peer tier,
+  ``CheckpointConfig.lean``): region 0 holds it, and the
   ranks agree in one all-reduce before any of them replaces it (``Saves.stage``), so a rank
   that faulted before its copy keeps the others' step. A second region is a spare for the
   rescue after a fault (``rescue``); its memory is untouched until then and given back
