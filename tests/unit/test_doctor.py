@@ -119,7 +119,10 @@ def test_a_staging_over_the_memory_limit_fails_the_memory_check() -> None:
     check = memory.check_memory(DoctorConfig(state_gb=1e6))  # a petabyte per rank
     # over a cgroup limit the first save would be OOM-killed: fail; else a warning
     assert check.status == ("fail" if "cgroup limit" in check.found else "warn")
-    assert "staging needs" in check.found and "--memory-slots" in check.fix
+    assert "staging needs" in check.found and "more ranks" in check.fix
+    assert "--memory-slots" not in check.fix  # one copy per rank already: no fewer slots
+    ring = memory.check_memory(DoctorConfig(state_gb=1e6, memory_slots=3))
+    assert "fewer --memory-slots" in ring.fix
 
 
 def test_json_report_for_machines(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:

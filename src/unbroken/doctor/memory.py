@@ -105,9 +105,10 @@ def check_memory(cfg: DoctorConfig) -> Check:
     if not cfg.state_gb:
         return Check("memory", "ok", have)
     need = cfg.staging_bytes()
+    fewer = "" if cfg.checkpoint_config().resident_regions <= 1 else "fewer --memory-slots, or "
     fix = (
-        "give the job more memory (the pod's memory limit), or stage less per node: fewer "
-        "--memory-slots (at least 2), or more ranks to shard the state over"
+        "give the job more memory (the pod's memory limit), or stage less per node: "
+        f"{fewer}more ranks to shard the state over"
     )
     if limit is not None and need > limit:
         return Check(
