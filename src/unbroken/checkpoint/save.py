@@ -7,11 +7,13 @@ order, a save (``stage``): the previous save's overlapped copy is waited for; a 
 previous one persists is skipped (``on_busy`` "skip": with the memory tier it is still a
 snapshot) or waits for it; while storage fails, a save inside the back-off is a snapshot too
 (``persisting.health``; under ``on_storage_failure="stop"``, the final attempt is waited for
-and ``StorageFailed`` raised when it fails); the state is resolved into write items (``resolve``), the arena
-prepared and a region taken (``staging``), what may change before ``optimizer.step`` copied
-now and the rest after, on the stager thread (``overlap``); a durable save is then handed to
-the writer process (``inflight``), and the blocking time is recorded as a ``ckpt_stage``
-interval. ``note`` is the rescue's record of a step (``rescue``).
+and ``StorageFailed`` raised when it fails); with one copy per rank (lean), the ranks agree to
+replace it (one all-reduce) or hold the save back to the next step (a writer still reads it);
+the state is resolved into write items (``resolve``), the arena prepared and a region taken
+(``staging``), what may change before ``optimizer.step`` copied now and the rest after, on the
+stager thread (``overlap``); a durable save is then handed to the writer process
+(``inflight``), and the blocking time is recorded as a ``ckpt_stage`` interval. ``note`` is
+the rescue's record of a step (``rescue``).
 """
 
 from __future__ import annotations
@@ -88,7 +90,7 @@ class Saves:
         self.persisting_region: int | None = None
         self.pending: bool | None = None
         """Lean: a save (True) or snapshot (False) the ranks agreed not to stage yet (a
-        rank's one snapshot was still persisting): ``maybe_save`` tries again every step."""
+        rank's writer still read its one snapshot): ``maybe_save`` tries again every step."""
         self.closed = False
 
     def check(self) -> None:
@@ -179,7 +181,8 @@ class Saves:
 
         Returns:
             False when skipped (a save while the previous one persists, without the memory tier,
-            or a step just staged; lean: when a rank's one snapshot is the save persisting).
+            or a step just staged; lean: held back while a rank's writer still reads its one
+            snapshot, ``pending``).
 
         Raises:
             CheckpointError: When an earlier save failed, ``ck`` is closed, or (sync) this one
@@ -326,16 +329,18 @@ class Saves:
         stages the same steps): a rank that faulted before getting here keeps the others from
         replacing the step they hold in common, and a rank whose writer still reads its
         snapshot (``busy``: the save's data not yet written) keeps every rank from staging."""
+        if self.world_size == 1:
+            return not busy
         return max_over_ranks([1.0 if busy else 0.0])[0] == 0.0
 
     def _refused(
         self, step: int, state: Mapping[str, Any], t0: float, *, durable: bool, marked: bool
     ) -> bool:
-        """Lean, a rank's snapshot is still persisting: no save or snapshot of ``step``
+        """Lean, a rank's writer still reads its one snapshot: no save or snapshot of ``step``
         anywhere (noted instead, for a rescue); it is ``pending``. ``marked``: the save's skip
         is recorded already."""
         if durable and not marked:
-            self.inflight.skip(step, "a rank's save is still persisting from its one snapshot")
+            self.inflight.skip(step, "a rank's writer still writes the last save from its copy")
         self.pending = durable or bool(self.pending)
         self.blocked(t0, step, "agree")
         self.note(step, state)
