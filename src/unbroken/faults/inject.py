@@ -199,6 +199,9 @@ class FaultInjector:
         return count
 
     def _claim(self, spec: FaultSpec) -> bool:
+        """Create the fault's claim file (True), or find it there (False: fired already). Not
+        fsynced yet: the ledger's record comes first (``_fire``), so a process killed from
+        outside meanwhile (a compound fault) loses microseconds, not an fsync's wait."""
         path = self.fired_dir / f"{spec.index}.json"
         try:
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
@@ -215,11 +218,18 @@ class FaultInjector:
                 "pid": os.getpid(),
             }
             os.write(fd, json.dumps(record).encode())
+        finally:
+            os.close(fd)
+        return True
+
+    def _claimed(self, spec: FaultSpec) -> None:
+        """Make the claim durable (after the ledger's record of it)."""
+        fd = os.open(self.fired_dir / f"{spec.index}.json", os.O_RDONLY)
+        try:
             os.fsync(fd)
         finally:
             os.close(fd)
         layout.fsync_dir(self.fired_dir)
-        return True
 
     def _fire(self, spec: FaultSpec) -> None:
         logger.warning("injecting fault %s", spec.describe())
@@ -250,6 +260,7 @@ class FaultInjector:
             step = spec.step if spec.step is not None else self.last_step
             self.sink.emit(ev.FAULT_INJECTED, fault=spec.kind, step=step, index=spec.index, **extra)
             self.sink.flush()
+            self._claimed(spec)
         except BaseException:
             if victims is not None:  # its agent is stopped: never leave it so
                 node.lose(victims)
