@@ -215,19 +215,19 @@ class Checkpointer:
             self._preempted(step, state)
         adaptive, auto = self._adaptive, self._auto
         snap = auto is not None and auto.step(step)  # timed; True: a snapshot is due
-        if self.config.due(step) if adaptive is None else adaptive.due(step, self._saves.stats):
+        due = self.config.due(step) if adaptive is None else adaptive.due(step, self._saves.stats)
+        pending = self._saves.pending  # one copy: a save (True) or snapshot held back a step
+        if due or pending:
             t0 = time.time()
             staged = self.save(step, state)
-            if adaptive is not None:
-                adaptive.saved(step, blocking_s=time.time() - t0, stats=self._saves.stats)
-            if auto is not None:
-                auto.saved(step, stall_s=time.time() - t0)
+            if self._saves.pending is None:  # staged, not held back: its cost is measured
+                if adaptive is not None:
+                    adaptive.saved(step, blocking_s=time.time() - t0, stats=self._saves.stats)
+                if auto is not None:
+                    auto.saved(step, stall_s=time.time() - t0)
             return staged
-        if snap or self.config.snapshot_due(step):
+        if snap or self.config.snapshot_due(step) or pending is not None:
             return self.snapshot(step, state)
-        pending = self._saves.pending  # lean: refused while a rank's save persisted
-        if pending is not None:
-            return self._saves.save(step, state, durable=pending)
         self.note(step, state)
         return False
 

@@ -224,7 +224,7 @@ class Saves:
                 waited = time.time() - t0
                 busy = False
         if self.staging.lean and not rescue:
-            if not self._agreed(busy and self.inflight.reading()):
+            if not self._agreed(self.inflight.reading()):
                 return self._refused(step, given, t0, durable=asked, marked=skipped)
             self.pending = None
         writer = None
@@ -324,14 +324,14 @@ class Saves:
         )
         return not skipped
 
-    def _agreed(self, busy: bool) -> bool:
+    def _agreed(self, reading: bool) -> bool:
         """Lean: may every rank replace its one snapshot now? One all-reduce (every rank
         stages the same steps): a rank that faulted before getting here keeps the others from
-        replacing the step they hold in common, and a rank whose writer still reads its
-        snapshot (``busy``: the save's data not yet written) keeps every rank from staging."""
+        replacing the step they hold in common, and a rank whose writer still ``reading`` its
+        snapshot (the last save's data not yet written) keeps every rank from staging."""
         if self.world_size == 1:
-            return not busy
-        return max_over_ranks([1.0 if busy else 0.0])[0] == 0.0
+            return not reading
+        return max_over_ranks([1.0 if reading else 0.0])[0] == 0.0
 
     def _refused(
         self, step: int, state: Mapping[str, Any], t0: float, *, durable: bool, marked: bool

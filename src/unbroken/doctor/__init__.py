@@ -6,8 +6,9 @@ a socket, a cpu quota is put on a child cgroup, a port is bound) and returns one
 "ok", "warn" (the job runs; something a feature needs is missing), "fail" (the job will not run
 as asked) or "skip" (nothing to check without an input). The staging the memory tier needs per
 node is ``state_gb`` x ``nproc_per_node`` x the arena's resident regions
-(``CheckpointConfig.resident_regions``: its memory slots, 1 without the tier), plus, on more than one node, the 2-region replicas this
-node keeps of the previous node's ranks (``unbroken.checkpoint.peers``).
+(``CheckpointConfig.resident_regions``: its memory slots, 1 without the tier, at least 2 on
+more than one node), plus there the 2-region replicas this node keeps of the previous node's
+ranks (``unbroken.checkpoint.peers``).
 
 ``unbroken doctor`` prints one line per check and exits 0 when none failed, ``EXIT_FAILED``
 when one did, 2 on bad input.

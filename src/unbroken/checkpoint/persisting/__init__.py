@@ -14,15 +14,15 @@ The save flow, from its entry in ``Checkpointer.save`` (``checkpointer``) to ``s
 4. ``state.resolve.resolve_for_save``: the state as DCP write items, reused from the last save
    where nothing changed (``state.savecache``, ``state.reuse``).
 5. ``staging.staging.Staging``: a region of the shared arena (``staging.arena``, one snapshot
-   per rank the ranks agree to replace, or a ring: ``staging.memory``); a new layout or arena goes to the writer first; the tensors
-   that may change before ``optimizer.step`` are copied at once, the rest on the stager thread
-   (``overlap``); the region is then sealed for the memory tier (and, in a multi-node job,
-   sent to the next node by ``tiers.peers``). The trainer's blocking time ends here.
+   per rank the ranks agree to replace, or a ring: ``staging.memory``); a new layout or arena
+   goes to the writer first; the tensors that may change before ``optimizer.step`` are copied
+   at once, the rest on the stager thread (``overlap``); the region is then sealed for the
+   memory tier (and, in a multi-node job, sent to the next node by ``tiers.peers``). The
+   trainer's blocking time ends here.
 6. ``inflight.Inflight.send``: the "save" message, once the copy is done.
 7. ``writer.Writer``: this rank's DCP data file in ``step-N.partial/`` (named by ``layout``),
    its CRC-32 computed on the way ("written": the arena's region is free again), fsynced, then
-   its done record; ``hooks`` may slow or stop
-   it (fault injection, tests).
+   its done record; ``hooks`` may slow or stop it (fault injection, tests).
 8. ``commit.publish``, in rank 0's writer: every rank's done record merged into DCP's
    ``.metadata``, the manifest, the rename to ``step-N/``, ``COMMITTED``, then retention
    (``layout.retain``).

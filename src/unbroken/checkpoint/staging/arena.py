@@ -89,8 +89,8 @@ class Arena:
             touch: Fault in (and pin) only the first this many bytes; the rest takes memory
                 only once written (None: all).
         """
-        self._touch = self.size if touch is None else min(touch, self.size)
         if nbytes <= self.size:
+            self._touch = self.size if touch is None else min(touch, self.size)
             if pin and not self._pinned and not self._pin_tried:
                 self._pin()  # an adopted arena: pin it in place, keeping what it holds
             return False
