@@ -224,6 +224,26 @@ def test_fault_with_rollback():
 
 
 # --- 4. overlapping async saves -----------------------------------------------------------------
+def test_a_step_ending_on_the_reference_rank_after_a_peers_fault_counts_as_lost():
+    # Rank 1 is killed just after step 7's collectives, before rank 0 has written step 7's
+    # record (10.0): rank 0 ended step 7 before the fault was detected, so it was done.
+    events = [
+        ev(FAULT_INJECTED, 9.95, rank=1, fault="exception", step=7, index=0)
+        if e.kind == FAULT_INJECTED
+        else e
+        for e in rollback_run()
+    ]
+    [f] = compute(events).faults
+    assert f.fault_ts == 9.95 and f.steps_lost == 3  # 5, 6, 7
+
+
+def test_a_step_ending_after_the_detection_is_not_counted_as_done():
+    events = [e for e in rollback_run() if not (e.kind == STEP and e.rank == 0 and e.ts == 10.0)]
+    events.append(ev(STEP, 10.25, dur_s=1.0, step=7, loss=1.0))  # after the detection (10.2)
+    [f] = compute(events).faults
+    assert f.steps_lost == 2  # 5, 6
+
+
 def test_async_saves_blocking_part_only():
     events = steps(0, 9, 0.0)  # [0, 10]
     events += [

@@ -247,7 +247,10 @@ def fault_record(
         else:
             recovery_s = timeline.recovered_ts(f.threshold) - f.fault_ts
         if f.resume_step is not None:
-            last_before = timeline.last_step_before(f.fault_ts)
+            # Until the fault is detected, a step already past its collectives still ends on
+            # the reference rank (its record a moment after a peer's fault): done, then lost.
+            seen = f.fault_ts if f.detection_ts is None else f.detection_ts
+            last_before = timeline.last_step_before(seen)
             steps_lost = max(0, last_before + 1 - f.resume_step)
     load = timeline.restore(f.fault_ts, f.resume_ts if f.resume_ts is not None else t1)
     return FaultRecord(
