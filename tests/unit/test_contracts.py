@@ -41,6 +41,7 @@ PACKAGES = (
     "unbroken.checkpoint",
     "unbroken.doctor",
     "unbroken.faults",
+    "unbroken.integrations.torchtitan",
     "unbroken.k8s.emulate",
     "unbroken.kb",
     "unbroken.launcher",

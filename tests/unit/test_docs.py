@@ -41,12 +41,16 @@ PAIRS = [
     ("plain_lightning_ddp.py", "lightning_ddp.py"),
     ("plain_accelerate.py", "accelerate_ddp.py"),
     ("plain_hf_trainer.py", "hf_trainer.py"),
+    ("plain_torchtitan_llama.py", "torchtitan_llama.py"),
     ("upstream/fsdp2/plain_example.py", "upstream/fsdp2/example.py"),  # pytorch/examples' own
 ]
 
 _FENCE = re.compile(r"^```(\w*)\n(.*?)^```", re.M | re.S)
 _FLAG = re.compile(r"--[a-z][a-z0-9_-]*")
 _FOREIGN = re.compile(r"`(?:kubernetes-validate|kubectl|torchrun) [^`]*`")
+_TITAN = re.compile(r"--module \w+ --config \w+|`?--(?:checkpoint|training)\.[\w.*-]+`?")
+"""torchtitan's own arguments (its ConfigManager's ``--module``/``--config`` and its
+``--section.key`` flags), after a torchtitan script or ``-m unbroken.integrations.torchtitan``."""
 _PLACEHOLDER = re.compile(r"^[A-Z][A-Z0-9_]*[.]*$|[\[\]|]|\.\.\.")
 
 
@@ -274,6 +278,7 @@ def test_every_flag_shown_exists_somewhere(page: str) -> None:
         lambda m: "" if m.group(1) in ("diff", "python", "yaml") else m.group(0), PAGES[page]
     )
     text = _FOREIGN.sub("", text)  # other programs' commands, in code spans
+    text = _TITAN.sub("", text)
     shown = {f for f in _FLAG.findall(text) if not f.endswith("-")}
     assert not shown - known, f"{page} shows flags no command has: {sorted(shown - known)}"
 
@@ -335,6 +340,7 @@ def test_the_readme_shows_the_diff_of_the_examples() -> None:
         ("plain_lightning_ddp.py", "lightning_ddp.py"),
         ("plain_accelerate.py", "accelerate_ddp.py"),
         ("plain_hf_trainer.py", "hf_trainer.py"),
+        ("plain_torchtitan_llama.py", "torchtitan_llama.py"),
     ],
 )
 def test_the_frameworks_page_shows_the_diff_of_each_example(plain: str, adopted: str) -> None:

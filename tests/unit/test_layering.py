@@ -49,6 +49,8 @@ RULES: dict[str, tuple[str, ...]] = {
     "job": ("errors", "env", "log", "ledger", "checkpoint", "faults", "restart", "launcher.client"),
     "observe": ("errors", "env", "ledger", "faults", "launcher.client"),
     "integrations": ("checkpoint", "restart"),
+    # ``python -m unbroken.integrations.torchtitan``: an entry point, as a training script is
+    "integrations.torchtitan.__main__": ("job", "integrations.torchtitan"),
     "errors": (),
     "mask": (),
     "version": (),
