@@ -41,6 +41,7 @@ def test_adopt_carries_torchtitans_settings_and_the_context() -> None:
     assert "_ctx" not in ours.to_dict() and ours.to_dict()["interval"] == 7
     assert Checkpoint.Config().enable  # on unless told: the memory tier and the steps need it
     assert ours._owner is Checkpoint  # torchtitan's config.build() makes ours
+    assert Checkpoint.adopt(ours, CTX)._ctx is CTX  # a config of ours adopted again
 
 
 def test_without_a_context_it_says_how_to_adopt() -> None:

@@ -118,7 +118,7 @@ class Checkpoint(BaseCheckpointManager):
         same = {
             f.name: getattr(titan, f.name)
             for f in dataclasses.fields(titan)
-            if f.name in fields and f.init
+            if f.name in fields and f.init and f.name != "_ctx"
         }
         return cls.Config(**same, _ctx=ctx)
 
