@@ -18,7 +18,11 @@ so; ``python -m unbroken.integrations.torchtitan`` runs it, under ``unbroken-run
 - ``train()`` first restores the newest checkpoint (memory, peer, disk) into the live objects
   (torchtitan's ``load``), so it goes on from the step after it;
 - torchtitan's wait before the optimizer step (``maybe_wait_for_staging``) waits for a save's
-  copy still overlapping the step (``Checkpointer.wait_staged``).
+  copy still overlapping the step (``Checkpointer.wait_staged``);
+- from the last step to ``close`` is the phase ``shutdown`` (torchtitan's end: its rank 0
+  sleeps 2 s), which the hang watchdog times as a phase, not as a gap between steps; the ranks
+  leave ``close`` together (a barrier), so a collective the script runs next does not wait
+  out that end outside the phase.
 
 An in-process restart calls the training function again: it builds a new Trainer, whose
 ``train()`` resumes from the memory tier. ``unbroken.run`` forms the process group; torchtitan
@@ -37,9 +41,11 @@ from __future__ import annotations
 import dataclasses
 import sys
 from collections.abc import Sequence
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import torch.distributed as dist
 from torchtitan.components.checkpointer.base import BaseCheckpointManager, ModelWrapper
 
 from unbroken.checkpoint import Checkpointer, PerRank
@@ -178,6 +184,7 @@ class Checkpoint(BaseCheckpointManager):
         )
         self.resumed_step: int | None = None
         """The ledger step ``load`` resumed after (None: it started afresh)."""
+        self._shutdown: AbstractContextManager[None] | None = None
 
     def _load(self, step: int = -1) -> bool:
         self.resumed_step = self.ckpt.restore(self.state)
@@ -193,6 +200,11 @@ class Checkpoint(BaseCheckpointManager):
             self.ckpt.wait()
             if self.ckpt.latest() != step:  # every rank sees the same directory
                 staged = self.ckpt.save(step, self.state)
+        if last_step:
+            # From here to close() (torchtitan's end: its rank 0 sleeps 2 s) is the job's
+            # shutdown, not a step gap for the hang watchdog to time.
+            self._shutdown = self.ctx.phase("shutdown")
+            self._shutdown.__enter__()
         return staged
 
     def _maybe_wait_for_staging(self) -> None:
@@ -202,12 +214,24 @@ class Checkpoint(BaseCheckpointManager):
         self.ckpt.wait()
 
     def _close(self) -> None:
-        if sys.exc_info()[1] is not None:
-            # An error unwinds through torchtitan's ``finally: trainer.close()``: the restart
-            # that follows restores from the newest snapshot, which abort keeps (close frees it).
-            self.ckpt.abort()
-        else:
-            self.ckpt.close()
+        error = sys.exc_info()
+        phase, self._shutdown = self._shutdown, None
+        try:
+            if error[1] is not None:
+                # An error unwinds through torchtitan's ``finally: trainer.close()``: the
+                # restart that follows restores from the newest snapshot, which abort keeps
+                # (close frees it).
+                self.ckpt.abort()
+            else:
+                self.ckpt.close()
+                if phase is not None and dist.is_initialized():
+                    # Leave together: what the script does next on one rank (a collective)
+                    # would wait out torchtitan's end on another outside any phase, where
+                    # the hang watchdog times it as a gap between steps.
+                    dist.barrier()
+        finally:
+            if phase is not None:
+                phase.__exit__(*error)
 
 
 def train(ctx: RestartContext, argv: Sequence[str] | None = None) -> Trainer:
