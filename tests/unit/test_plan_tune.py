@@ -110,6 +110,18 @@ def tuned(run_dir: Path, given: dict | None = None, **tune: float) -> Recommenda
 
 
 # --- what a run measures ---------------------------------------------------------------------
+def test_a_save_held_back_a_step_does_not_halve_the_interval_seen(tmp_path: Path) -> None:
+    # One copy: the save due after step 29 waits for the writer, is skipped with
+    # ``retried`` and staged after step 30; the interval is still the run's 10.
+    held = [
+        rec(ev.CKPT_SKIP, 103.0, step=29, reason="the writer reads the copy", retried=True),
+        rec(ev.CKPT_STAGE, 103.2, dur_s=0.002, step=30, bytes=1e6, durable=True),
+    ]
+    assert observe(training(tmp_path / "r", extra=held)).ckpt_every == 10
+    busy = [rec(ev.CKPT_SKIP, 103.0, step=29, reason="still persisting")]  # dropped, not held
+    assert observe(training(tmp_path / "b", extra=[*busy, held[1]])).ckpt_every == 1
+
+
 def test_the_run_figures_come_from_their_records(tmp_path: Path) -> None:
     run = training(
         tmp_path / "r", snapshot_every=2, note_s=0.0005, first_step_s=3.0, slow_step=(30, 0.4)

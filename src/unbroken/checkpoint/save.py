@@ -340,7 +340,9 @@ class Saves:
         anywhere (noted instead, for a rescue); it is ``pending``. ``marked``: the save's skip
         is recorded already."""
         if durable and not marked:
-            self.inflight.skip(step, "a rank's writer still writes the last save from its copy")
+            self.inflight.skip(
+                step, "a rank's writer still writes the last save from its copy", retried=True
+            )
         self.pending = durable or bool(self.pending)
         self.blocked(t0, step, "agree")
         self.note(step, state)

@@ -33,7 +33,7 @@ STEP = "step"
 CKPT_STAGE = "ckpt_stage"
 CKPT_PERSIST = "ckpt_persist"  # background interval; data: step, bytes
 CKPT_COMMIT = "ckpt_commit"  # data: step
-CKPT_SKIP = "ckpt_skip"  # data: step, reason
+CKPT_SKIP = "ckpt_skip"  # data: step, reason[, retried: held back, staged at a later step]
 CKPT_FAIL = "ckpt_fail"  # data: step, error
 CKPT_LOAD = "ckpt_load"  # interval; data: step (restored, or None), tier ("disk", "memory", "none")
 # data: fault (kind), step, index (position in the plan); a degrading one: window_s.

@@ -214,9 +214,14 @@ def observe(run_dir: str | Path) -> Observed:
     ranks = {e.rank for e in starts} | {e.rank for e in step_records}
     world = max([int(e.get("world_size") or 0) for e in starts] + [len(ranks), 1])
     hosts = {e.get("host") for e in starts if e.get("host")}
-    due = [e.get("step") for e in saves] + [
-        e.get("step") for e in ref if e.kind == ev.CKPT_SKIP and e.get("step") is not None
-    ]
+    skips = [e for e in ref if e.kind == ev.CKPT_SKIP and e.get("step") is not None]
+    saved = sorted(int(e.get("step")) for e in saves if e.get("step") is not None)
+    # A save held back (one copy, the writer still reading it) is staged at a later step: the
+    # first save after its skip is that save again, not one that fell due there.
+    delayed = {
+        next((s for s in saved if s > int(e.get("step"))), None) for e in skips if e.get("retried")
+    }
+    due = [s for s in saved if s not in delayed] + [int(e.get("step")) for e in skips]
     sized = [e for e in saves if e.get("bytes")] or [e for e in snapshots if e.get("bytes")]
     return Observed(
         run=rep.run or path.name,

@@ -386,8 +386,9 @@ class Inflight:
         if save is not None:
             self._deadline_passed(save)
 
-    def skip(self, step: int, reason: str) -> None:
-        """Record a save of ``step`` dropped on this rank; tell the coordinator not to wait."""
+    def skip(self, step: int, reason: str, *, retried: bool = False) -> None:
+        """Record a save of ``step`` dropped on this rank; tell the coordinator not to wait.
+        ``retried``: held back, to be staged at a later step (its record says so)."""
         self.stats.skipped += 1
         if self.world_size > 1:
             try:
@@ -397,7 +398,9 @@ class Inflight:
                 )
             except OSError as e:  # failing storage: rank 0 cannot commit this step either
                 logger.debug("cannot mark step %d skipped: %s", step, e)
-        self.recorder.emit(ev.CKPT_SKIP, step=step, reason=reason)
+        self.recorder.emit(
+            ev.CKPT_SKIP, step=step, reason=reason, **({"retried": True} if retried else {})
+        )
 
     def last_committed_on_disk(self) -> int | None:
         """The newest committed step in the checkpoint directory (None: none, or unreadable)."""
