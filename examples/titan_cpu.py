@@ -18,6 +18,7 @@ wheel): a word-level tokenizer over 2046 made-up words and 300 documents of them
 every run and machine.
 """
 
+import hashlib
 import json
 import os
 import random
@@ -145,8 +146,6 @@ def llama3_debugmodel_cpu():
 
 def weights_sha256(model: torch.nn.Module) -> str:
     """A hash of the full weights; gathers the FSDP shards (call it on every rank)."""
-    import hashlib
-
     h = hashlib.sha256()
     for name, tensor in sorted(model.state_dict().items()):
         full = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor

@@ -57,8 +57,8 @@ Faults (one walk over the events in order)
       ``downtime_s`` = resume_ts - fault time; ``recovery_s`` = recovered_ts - fault time;
       ``steps_lost`` = max(0, last_step_before + 1 - first_step_after), where last_step_before
       is the highest step number of a reference-rank step record with ``ts`` <= the detection
-      ts (the fault time when undetected; -1 if none) and first_step_after is the number of the resuming step. The last three
-      are None when the fault never resumed.
+      ts (the fault time when undetected; -1 if none) and first_step_after is the number of
+      the resuming step. The last three are None when the fault never resumed.
     * ``phase``: the ``phase`` of the ``fault_injected`` record, ``step`` when it names none;
       for a natural fault the ``phase`` of the detection that opened it, else None.
       ``fault_class``: from the injected ``fault`` kind, or the natural fault's cause

@@ -173,9 +173,9 @@ class Checkpoint(BaseCheckpointManager):
             "model": ModelWrapper(list(model_parts)),
             "optimizer": _Stateful(optimizers),
             "lr_schedulers": lr_schedulers,
+            "dataloader": PerRank(dataloader),
+            **states,
         }
-        self.state["dataloader"] = PerRank(dataloader)
-        self.state.update(states)
         self.durable = config.enable
         self.ckpt = Checkpointer(
             Path(base_folder) / config.folder,
