@@ -1,19 +1,23 @@
 """The writer process: background work (``writer.lower_priority``: a session of its own, whose
 autogroup gets the lowest share where the kernel has autogroups, SCHED_IDLE, its niceness),
-and the stream it persists through (``ChecksumWriter``: small writes gathered, CRC-32)."""
+and the stream it persists through (``ChecksumWriter``: small writes gathered, CRC-32 summed
+on another thread for large ones)."""
 
 from __future__ import annotations
 
 import errno
 import io
 import os
+import threading
 import zlib
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import torch
 
 from unbroken.checkpoint import CheckpointConfig, Checkpointer
+from unbroken.checkpoint.persisting import writer as writer_mod
 from unbroken.checkpoint.persisting.writer import ChecksumWriter
 
 
@@ -88,6 +92,37 @@ def test_the_stream_gathers_small_writes_and_checksums_the_file_it_wrote(tmp_pat
     ends = [*offsets[1:], len(data) - len(big) - 4]
     for t, begin, end in zip(tensors, offsets, ends, strict=True):  # DCP reads each slice
         assert torch.equal(torch.load(io.BytesIO(data[begin:end]), weights_only=True), t)
+
+
+def test_a_large_write_is_summed_on_another_thread_before_the_call_returns(tmp_path):
+    """Slices of a write larger than one are summed on the CRC thread while the next is
+    written; the sum is over the bytes as they were during the call (the caller may reuse its
+    buffer once ``write`` returns: torch.save does), in order, whatever came between."""
+    path = tmp_path / "data"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
+    summed_on = set()
+    crc32 = zlib.crc32
+
+    def spy(data, value=0):
+        summed_on.add(threading.current_thread().name)
+        return crc32(data, value)
+
+    parts = [b"head", bytearray(os.urandom((17 << 20) + 5)), b"mid", os.urandom(9 << 20)]
+    expected = zlib.crc32(b"".join(parts))
+    try:
+        stream = ChecksumWriter(fd, bytes_per_s=0)
+        with mock.patch.object(zlib, "crc32", spy):
+            for part in parts:
+                stream.write(part)
+                if isinstance(part, bytearray):
+                    part[:] = bytes(len(part))  # reused by the caller: must not be read now
+            stream.flush()
+    finally:
+        os.close(fd)
+    assert stream.crc == expected == zlib.crc32(path.read_bytes())
+    assert any(name.startswith("unbroken-writer-crc") for name in summed_on), summed_on
+    writer_mod._crc_thread().shutdown()  # a writer process's thread, here in the test's
+    writer_mod._crc_thread.cache_clear()
 
 
 def test_a_storage_error_is_raised_and_kept_when_the_buffer_is_written(tmp_path):

@@ -11,7 +11,8 @@ and ``StorageFailed`` raised when it fails); with one copy per rank (lean), the 
 replace it (one all-reduce) or hold the save back to the next step (a writer still reads it);
 the state is resolved into write items (``resolve``), the arena prepared and a region taken
 (``staging``), what may change before ``optimizer.step`` copied now and the rest after, on the
-stager thread (``overlap``); a durable save is then handed to the writer process
+stager thread (``overlap``), and the region sealed (on the stager thread too from
+``SEAL_LATER_BYTES``); a durable save is then handed to the writer process
 (``inflight``), and the blocking time is recorded as a ``ckpt_stage`` interval. ``note`` is
 the rescue's record of a step (``rescue``).
 """
@@ -32,7 +33,7 @@ from unbroken.checkpoint.persisting.hooks import WriterHooks
 from unbroken.checkpoint.persisting.inflight import CheckpointStats, Inflight
 from unbroken.checkpoint.schedule.adaptive import max_over_ranks
 from unbroken.checkpoint.staging.rescue import Notes
-from unbroken.checkpoint.staging.staging import Staging, fill, process_memory
+from unbroken.checkpoint.staging.staging import SEAL_LATER_BYTES, Staging, fill, process_memory
 from unbroken.checkpoint.state.extras import StateExtras
 from unbroken.checkpoint.state.resolve import ResolveCache, plan_args, resolve_for_save
 from unbroken.ledger import Recorder, phases
@@ -272,7 +273,10 @@ class Saves:
             )
         else:
             done, failed = (lambda: None), functools.partial(_log_failed, step)
-        if later_src or (sealing and self.config.overlap):
+        seal_later = sealing and (
+            self.config.overlap or sum(t.nbytes for t in tensors) >= SEAL_LATER_BYTES
+        )
+        if later_src or seal_later:
             staging.copy_later(
                 later_src,
                 later_dst,

@@ -31,6 +31,13 @@ from unbroken.checkpoint.staging.arena import Arena, Slot, copy_tensors, plan_sl
 
 logger = logging.getLogger(__name__)
 
+SEAL_LATER_BYTES = 32 << 20
+"""A snapshot of at least this many tensor bytes is sealed on the stager thread, not in the
+save: its digests (xxh3 over every byte) take about as long as the copy itself, and nothing
+needs them before a restore. Whatever reads the region (the next save, a rescue, an abort
+handing the arena to the memory tier, the writer) comes after the seal; below this size the
+digests take under 2 ms and the seal stays in the save, without a thread hand-off."""
+
 _META_PER_ITEM = 512
 """Bytes of snapshot metadata budgeted per tensor item (its index, slot and digest)."""
 

@@ -1,0 +1,56 @@
+"""A large snapshot is sealed on the stager thread (``staging.SEAL_LATER_BYTES``): its digests
+leave the save's stall, and whatever reads the region still finds it sealed: an abort right
+after the save hands the memory tier a snapshot that restores bit for bit. A small one is
+sealed in the save."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+from unbroken.checkpoint import Checkpointer
+from unbroken.checkpoint.staging import memory, staging
+from unbroken.ledger import Ledger, read_events
+
+
+class _Flat(torch.nn.Module):
+    def __init__(self, nbytes: int, seed: int) -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(seed)
+        self.w = torch.nn.Parameter(torch.rand(nbytes // 4, generator=g), requires_grad=False)
+
+
+@pytest.mark.parametrize(
+    ("nbytes", "later"), [(staging.SEAL_LATER_BYTES + (4 << 20), True), (1 << 20, False)]
+)
+def test_a_large_snapshot_is_sealed_after_the_save_and_before_anything_reads_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, nbytes: int, later: bool
+) -> None:
+    sealed_on: list[str] = []
+    seal = memory.seal
+
+    def spy(*args: object, **kwargs: object) -> None:
+        sealed_on.append(threading.current_thread().name)
+        seal(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(memory, "seal", spy)
+    root = tmp_path / "ckpt"
+    model = _Flat(nbytes, seed=0)
+    led = Ledger(tmp_path, run="t", rank=0)
+    ck = Checkpointer(root, ledger=led, every_steps=1)
+    ck.save(0, {"model": model})
+    ck.abort()  # at once: the stager's seal comes first, then the arena goes to the memory tier
+    assert len(sealed_on) == 1
+    assert sealed_on[0].startswith("unbroken-ckpt-stager") is later, sealed_on
+
+    restored = _Flat(nbytes, seed=1)
+    assert not torch.equal(restored.w, model.w)
+    with Checkpointer(root, ledger=led, every_steps=1) as ck2:
+        assert ck2.restore({"model": restored}) == 0
+    assert torch.equal(restored.w, model.w)
+    led.close()
+    [load] = [e for e in read_events(tmp_path) if e.kind == "ckpt_load"]
+    assert (load.get("tier"), load.get("source")) == ("memory", "process")
