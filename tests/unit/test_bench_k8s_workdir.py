@@ -79,3 +79,15 @@ def test_main_refuses_a_store_loss_after_the_node_loss_before_running(
     assert k8s.main(p.parse_args(argv)) == 2
     assert "--lose-store-at-step" in capsys.readouterr().err
     assert not (tmp_path / "clean").exists()  # nothing ran
+
+
+@pytest.mark.parametrize("flag", ["--rdzv-poll-s", "--membership-check-s"])
+def test_main_refuses_a_poll_interval_that_is_not_positive_before_running(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], flag: str
+) -> None:
+    p = argparse.ArgumentParser()
+    k8s.add_arguments(p)
+    assert k8s.main(p.parse_args(["--out", str(tmp_path), flag, "0"])) == 2
+    err = capsys.readouterr().err
+    assert "error:" in err and flag[2:].replace("-", "_") in err and "> 0" in err
+    assert not (tmp_path / "clean").exists()  # nothing ran

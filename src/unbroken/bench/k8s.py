@@ -376,6 +376,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="keep-alives missed before a node is dropped (detection = interval x attempts)",
     )
     p.add_argument(
+        "--rdzv-poll-s",
+        type=float,
+        default=0.05,
+        help="how often an agent waiting in the rendezvous looks at its state",
+    )
+    p.add_argument(
+        "--membership-check-s",
+        type=float,
+        default=0.1,
+        help="how often a running agent looks for lost or waiting nodes",
+    )
+    p.add_argument(
         "--mode",
         choices=["auto", "netns", "loopback"],
         default="auto",
@@ -401,7 +413,14 @@ def main(a: argparse.Namespace) -> int:
         print(f"error: --lose-store-at-step must be in [0, --at-step={a.at_step})", file=sys.stderr)
         return 2
     try:  # before the first run: bad arguments and a foreign directory fail at once
-        NodeLoss(lose=a.lose, drain=a.drain, steps=a.steps, at_step=a.at_step)
+        NodeLoss(
+            lose=a.lose,
+            drain=a.drain,
+            steps=a.steps,
+            at_step=a.at_step,
+            rdzv_poll_s=a.rdzv_poll_s,
+            membership_check_s=a.membership_check_s,
+        )
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -432,6 +451,8 @@ def main(a: argparse.Namespace) -> int:
             pod_restart_s=a.pod_restart_s,
             keep_alive_s=a.keep_alive_s,
             keep_alive_attempts=a.keep_alive_attempts,
+            rdzv_poll_s=a.rdzv_poll_s,
+            membership_check_s=a.membership_check_s,
             mode=a.mode,
         )
         print(f"== {name}", flush=True)
