@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import pytest
 import torch
 
 from toy import mlp, train_step
@@ -71,14 +72,22 @@ def test_one_copy_in_memory_a_rescue_spare_given_back_at_the_next_snapshot(tmp_p
     led.close()
 
 
+@pytest.mark.parametrize(
+    ("hidden", "mbps"),
+    [
+        (2048, 0.5),  # 0.4 MB of state, sealed in the save
+        (200_000, 40.0),  # 40 MB, sealed on the stager thread (staging.SEAL_LATER_BYTES)
+    ],
+)
 def test_a_save_while_the_last_one_persists_from_its_region_waits_for_it_then_is_staged(
-    tmp_path: Path,
+    tmp_path: Path, hidden: int, mbps: float
 ) -> None:
     led = Ledger(tmp_path, run="t", rank=0)
     root = tmp_path / "ckpt"
-    model, optim = mlp(0, hidden=2048)  # 0.4 MB of state
+    big = hidden > 2048
+    model, optim = mlp(0, hidden=hidden)
     state = {"model": model, "optim": optim}
-    slow = CheckpointConfig(throttle_mbps=0.5, snapshot_budget=0.0)  # persists for a second
+    slow = CheckpointConfig(throttle_mbps=mbps, snapshot_budget=0.0)  # persists for a second
     ck = Checkpointer(root, ledger=led, every_steps=2, config=slow)
     staged = []
     for step in range(4):
@@ -93,14 +102,11 @@ def test_a_save_while_the_last_one_persists_from_its_region_waits_for_it_then_is
     ck.close()
     assert layout.committed_steps(root) == [4, 1]
     stages = [e for e in read_events(tmp_path) if e.kind == "ckpt_stage"]
-    assert [(e.get("step"), e.get("part")) for e in stages] == [
-        (1, None),
-        (2, "note"),
-        (3, "agree"),
-        (3, "note"),
-        (4, None),
-    ]
-    model2, optim2 = mlp(1, hidden=2048)
+    parts = [(e.get("step"), e.get("part")) for e in stages if e.get("part") != "seal"]
+    assert parts == [(1, None), (2, "note"), (3, "agree"), (3, "note"), (4, None)]
+    # A large snapshot's seal after the save: waited for (blocking) where it was still running.
+    assert {e.get("step") for e in stages if e.get("part") == "seal"} <= ({1, 4} if big else set())
+    model2, optim2 = mlp(1, hidden=hidden)
     with Checkpointer(root, ledger=led, memory_tier=False) as ck2:
         assert ck2.restore({"model": model2, "optim": optim2}) == 4
     assert all(torch.equal(v, want[k]) for k, v in model2.state_dict().items())

@@ -295,9 +295,10 @@ class Checkpointer:
         return self._saves.note(step, state)
 
     def wait_staged(self) -> None:
-        """Block until the in-flight snapshot is fully copied (only ever waits with
-        ``overlap``). Call before changing parameters or optimizer state other than through
-        ``optimizer.step`` of an optimizer in the state."""
+        """Block until the in-flight snapshot is fully copied and sealed (waits only with
+        ``overlap``, or for a large snapshot's seal: ``staging.SEAL_LATER_BYTES``). Call before
+        changing parameters or optimizer state other than through ``optimizer.step`` of an
+        optimizer in the state."""
         self._saves.wait_staged()
 
     def wait(self) -> bool:

@@ -116,9 +116,9 @@ class Saves:
     def wait_staged(self) -> None:
         """Block until the in-flight snapshot is fully copied (``Checkpointer.wait_staged``)."""
         if self.staging.copying:
-            t0 = time.time()
+            t0, part = time.time(), "seal" if self.staging.sealing_only else "overlap"
             self.staging.wait()
-            end = self.blocked(t0, self.last_step, "overlap")
+            end = self.blocked(t0, self.last_step, part)
             if self.stats.stall_s:
                 self.stats.stall_s[-1] += end - t0
         self.inflight.wait_staged()

@@ -28,8 +28,9 @@ PHASE = "phase"  # interval; data: name (one of PHASES, or a user's phase: ``pha
 # time on or waiting for a CPU in it: ``busy``).
 STEP = "step"
 # Interval the trainer was blocked by a save; data: step, bytes, or part: "overlap" (waiting for
-# a background copy), "note" (a step noted for a rescue, unbroken.checkpoint.staging.rescue) or
-# "agree" (the ranks agreed not to stage: a rank's one snapshot still persisting).
+# a background copy), "seal" (for a large snapshot's digests, computed after the save), "note"
+# (a step noted for a rescue, unbroken.checkpoint.staging.rescue) or "agree" (the ranks agreed
+# not to stage: a rank's one snapshot still persisting).
 CKPT_STAGE = "ckpt_stage"
 CKPT_PERSIST = "ckpt_persist"  # background interval; data: step, bytes
 CKPT_COMMIT = "ckpt_commit"  # data: step

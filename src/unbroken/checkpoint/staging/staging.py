@@ -104,6 +104,8 @@ class Staging:
         self._writer_has_arena = False
         self._writer_layout = 0  # the layout id the writer was sent
         self._thread: threading.Thread | None = None
+        self.sealing_only = False
+        """The stager's last job copies nothing: it only seals (``SEAL_LATER_BYTES``)."""
         self._jobs: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._idle = threading.Event()
         self._idle.set()
@@ -264,6 +266,7 @@ class Staging:
                 target=self._loop, name=f"unbroken-ckpt-stager-{self.rank}", daemon=True
             )
             self._thread.start()
+        self.sealing_only = not srcs
         self._idle.clear()
         self._jobs.put((srcs, dsts, held, payloads, seal, done, failed))
 
