@@ -47,6 +47,7 @@ def test_every_mode_restores_the_state_exactly_and_is_set_against_the_limits(
         assert disk <= min(m["floor_disk_s"]) * (1 + 1e-9)
         assert m["persist_over_disk"] == pytest.approx(disk / m["persist_s"][1])
     assert ours["restore_memory_over_memcpy"] > 0 and ours["restore_memory_s"] > 0
+    assert ours["prepared_ahead_s"] >= 0 and "arena laid out ahead" in res.stdout
     # The memory tier holds every slot's copy of the state in its arena.
     assert ours["host_bytes"] >= CheckpointConfig().memory_slots * row["state_bytes"]
     assert ours["host_over_state"] >= CheckpointConfig().memory_slots

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from unbroken.checkpoint import Checkpointer
+from unbroken.checkpoint import CheckpointConfig, Checkpointer
 from unbroken.checkpoint.staging import memory, staging
 from unbroken.ledger import Ledger, read_events
 
@@ -54,3 +54,33 @@ def test_a_large_snapshot_is_sealed_after_the_save_and_before_anything_reads_it(
     led.close()
     [load] = [e for e in read_events(tmp_path) if e.kind == "ckpt_load"]
     assert (load.get("tier"), load.get("source")) == ("memory", "process")
+
+
+@pytest.mark.parametrize("big", [True, False])
+def test_a_large_arena_is_laid_out_on_the_stager_thread_before_the_first_save(
+    tmp_path: Path, big: bool
+) -> None:
+    """At the first ``maybe_save`` that is no save, a large state's arena is allocated and
+    faulted in on the stager thread: the first save copies, it does not allocate. A small
+    state's waits for its first save, as before."""
+    nbytes = staging.SEAL_LATER_BYTES + (4 << 20) if big else 1 << 20
+    model = _Flat(nbytes, seed=0)
+    led = Ledger(tmp_path, run="t", rank=0)
+    no_snapshots = CheckpointConfig(every_steps=3, snapshot_budget=0.0)
+    ck = Checkpointer(tmp_path / "ckpt", ledger=led, config=no_snapshots)
+    assert not ck.maybe_save(0, {"model": model})  # no save: the arena laid out meanwhile
+    ck.wait_staged()
+    assert (ck.staging_bytes >= nbytes) is big and (ck.staging_bytes == 0) is not big
+    ck.maybe_save(1, {"model": model})
+    assert ck.maybe_save(2, {"model": model})  # the first save
+    assert ck.wait()
+    ck.close()
+    led.close()
+    stages = [e for e in read_events(tmp_path) if e.kind == "ckpt_stage"]
+    [save] = [e for e in stages if e.get("part") is None]
+    assert save.get("step") == 2
+    assert (save.get("alloc_s") < 0.001) is big, save.data  # allocated ahead, or in the save
+    restored = _Flat(nbytes, seed=1)
+    with Checkpointer(tmp_path / "ckpt", memory_tier=False) as ck2:
+        assert ck2.restore({"model": restored}) == 2
+    assert torch.equal(restored.w, model.w)

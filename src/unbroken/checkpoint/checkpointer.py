@@ -230,6 +230,7 @@ class Checkpointer:
             return staged
         if snap or self.config.snapshot_due(step) or pending is not None:
             return self.snapshot(step, state)
+        self._saves.prepare_ahead(state)  # the first step that is no save: a large arena
         self.note(step, state)
         return False
 
@@ -295,6 +296,18 @@ class Checkpointer:
             when the state cannot be rescued (before the first save, a model with buffers).
         """
         return self._saves.note(step, state)
+
+    def prepare(self, state: Mapping[str, Any]) -> None:
+        """Lay out, allocate and fault in the staging arena for a large ``state`` (32 MiB of
+        tensors or more) on a thread now, not in the first save; once, and only before it.
+        ``maybe_save`` does this at its first step that is no save; call it where ``save`` is
+        called directly, as soon as the state is complete (an optimizer has its state after
+        its first step).
+
+        Args:
+            state: As ``save`` takes it.
+        """
+        self._saves.prepare_ahead(state)
 
     def wait_staged(self) -> None:
         """Block until the in-flight snapshot is fully copied and sealed (waits only with

@@ -93,6 +93,8 @@ class Saves:
         """Lean: a save (True) or snapshot (False) the ranks agreed not to stage yet (a
         rank's writer still read its one snapshot): ``maybe_save`` tries again every step."""
         self.closed = False
+        self.prepared = False
+        """``prepare_ahead`` ran (it runs once)."""
 
     def check(self) -> None:
         """Fail the save in flight when it is past its deadline (``Inflight.poll``).
@@ -116,7 +118,7 @@ class Saves:
     def wait_staged(self) -> None:
         """Block until the in-flight snapshot is fully copied (``Checkpointer.wait_staged``)."""
         if self.staging.copying:
-            t0, part = time.time(), "seal" if self.staging.sealing_only else "overlap"
+            t0, part = time.time(), self.staging.waiting_for
             self.staging.wait()
             end = self.blocked(t0, self.last_step, part)
             if self.stats.stall_s:
@@ -327,6 +329,30 @@ class Saves:
             **(process_memory() if durable else {}),  # /proc, once per durable save
         )
         return not skipped
+
+    def prepare_ahead(self, state: Mapping[str, Any]) -> None:
+        """Before the first save of a large state (``SEAL_LATER_BYTES``), once: lay out,
+        allocate and fault in its staging arena on the stager thread while training goes on
+        (``Staging.prepare_later``), so that the first save copies instead of faulting in
+        gigabytes (and, on a GPU, registering them as pinned). Resolved into a cache of its
+        own: the rescue's notes still begin at the first save."""
+        if self.prepared or not self.config.memory_tier or self.closed:
+            return
+        self.prepared = True
+        if self.staging.arena.size:  # adopted (a restore from memory), or a save came first
+            return
+        resolved = resolve_for_save(
+            self.extras.full(state),
+            rank=self.rank,
+            world_size=self.world_size,
+            overlap=self.config.overlap,
+            cache=ResolveCache(),
+            stage_all=True,
+        )
+        tensors = [i for i in resolved.items if i.tensor is not None]
+        if sum(i.nbytes for i in tensors) >= SEAL_LATER_BYTES:
+            values = sum(i.nbytes for i in resolved.items if i.tensor is None)
+            self.staging.prepare_later(tensors, values)
 
     def ahead_of_disk(self, step: int, newest: int | None) -> bool:
         """Whether ``step``, just restored from memory, is newer than ``newest``, the newest

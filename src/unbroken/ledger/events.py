@@ -28,7 +28,8 @@ PHASE = "phase"  # interval; data: name (one of PHASES, or a user's phase: ``pha
 # time on or waiting for a CPU in it: ``busy``).
 STEP = "step"
 # Interval the trainer was blocked by a save; data: step, bytes, or part: "overlap" (waiting for
-# a background copy), "seal" (for a large snapshot's digests, computed after the save), "note"
+# a background copy), "seal" (for a large snapshot's digests, computed after the save),
+# "prepare" (for a large arena laid out ahead of the first save), "note"
 # (a step noted for a rescue, unbroken.checkpoint.staging.rescue) or "agree" (the ranks agreed
 # not to stage: a rank's one snapshot still persisting).
 CKPT_STAGE = "ckpt_stage"

@@ -15,6 +15,7 @@ previous background copy first (``wait``), so the two never touch the ring at th
 
 from __future__ import annotations
 
+import functools
 import logging
 import queue
 import threading
@@ -104,8 +105,9 @@ class Staging:
         self._writer_has_arena = False
         self._writer_layout = 0  # the layout id the writer was sent
         self._thread: threading.Thread | None = None
-        self.sealing_only = False
-        """The stager's last job copies nothing: it only seals (``SEAL_LATER_BYTES``)."""
+        self.waiting_for = "overlap"
+        """What the stager's last job does, as a wait for it is recorded: "overlap" (copies),
+        "seal" (only seals: ``SEAL_LATER_BYTES``) or "prepare" (``prepare_later``)."""
         self._jobs: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._idle = threading.Event()
         self._idle.set()
@@ -261,14 +263,31 @@ class Staging:
         """Copy ``srcs`` to ``dsts``, give ``held`` the resolved ``payloads`` items' values
         (``fill``) and (with ``seal``) seal its region on the stager thread; then ``done()``
         runs there (or ``failed(error)`` when one of them raised)."""
+        self._submit(
+            (srcs, dsts, held, payloads, seal, done, failed), "overlap" if srcs else "seal"
+        )
+
+    def prepare_later(self, tensors: list[Any], payload_bytes: int) -> None:
+        """``prepare`` on the stager thread, without a writer: the arena laid out, allocated
+        and faulted in (pinned on a GPU) while training goes on, not in the first save. That
+        save waits for it if it is not done (``wait``); the writer gets the arena then."""
+        self._submit(functools.partial(self._prepare_quietly, tensors, payload_bytes), "prepare")
+
+    def _prepare_quietly(self, tensors: list[Any], payload_bytes: int) -> None:
+        try:
+            self.prepare(tensors, payload_bytes, None)
+        except Exception:  # the first save lays it out again, and raises what it raises
+            logger.warning("laying out the staging arena ahead failed", exc_info=True)
+
+    def _submit(self, job: Any, waiting_for: str) -> None:
         if self._thread is None:
             self._thread = threading.Thread(
                 target=self._loop, name=f"unbroken-ckpt-stager-{self.rank}", daemon=True
             )
             self._thread.start()
-        self.sealing_only = not srcs
+        self.waiting_for = waiting_for
         self._idle.clear()
-        self._jobs.put((srcs, dsts, held, payloads, seal, done, failed))
+        self._jobs.put(job)
 
     @property
     def copying(self) -> bool:
@@ -295,6 +314,12 @@ class Staging:
             job = self._jobs.get()
             if job is None:
                 return
+            if callable(job):
+                try:
+                    job()
+                finally:
+                    self._idle.set()
+                continue
             srcs, dsts, held, payloads, seal, done, failed = job
             try:
                 copy_tensors(srcs, dsts)
