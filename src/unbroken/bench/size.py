@@ -69,7 +69,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--sizes", default="0.25,1,4", help="state per rank in GB, comma-separated (0.25,1,4)"
     )
-    p.add_argument("--saves", type=int, default=3, help="saves per size and mode (default 3)")
+    p.add_argument("--saves", type=int, default=5, help="saves per size and mode (default 5)")
     p.add_argument("--shard-mib", type=int, default=64, help="MiB per tensor of the state")
     p.add_argument("--dir", default=None, help="where checkpoints go (default: a temp dir)")
     p.add_argument("--json", metavar="PATH", help="write the figures as JSON")
