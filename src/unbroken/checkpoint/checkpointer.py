@@ -187,7 +187,7 @@ class Checkpointer:
         self._adaptive = AdaptiveSaves.of(self.root, self.config, self._ledger, self.rank)
         self._auto = AutoSnapshots.of(self.config, max_over_ranks)
         self._graceful = preempt.Stop(self.root, self.run)
-        self._unsaved = False  # restored from memory, its last save lost: save at the next step
+        self._unsaved = False  # restored from memory, newer than disk: save at the next step
         if self.config.eager_writer:
             self._saves.inflight.start_writer(self._saves.hooks)  # the first: nothing to hand over
         _created.add(self)
@@ -393,10 +393,8 @@ class Checkpointer:
             ledger=self._ledger,
             begin=t0,
         )
-        every = self.config.every_steps
-        if step is not None and every > 0 and self._adaptive is None:
-            due = step - (step + 1) % every  # the last step at or before it a save was due at
-            self._unsaved = due >= 0 and self._saves.lost_save(due, self.latest())
+        if step is not None and (self.config.every_steps > 0 or self._adaptive is not None):
+            self._unsaved = self._saves.ahead_of_disk(step, self.latest())
         if step is None:
             self._saves.staging.retain(None)  # what memory held is of another timeline now
             step = restore_recorded(

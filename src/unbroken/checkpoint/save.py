@@ -354,21 +354,20 @@ class Saves:
             values = sum(i.nbytes for i in resolved.items if i.tensor is None)
             self.staging.prepare_later(tensors, values)
 
-    def lost_save(self, due: int, newest: int | None) -> bool:
-        """Whether the save due at step ``due``, at or before the step just restored from
-        memory, is newer than ``newest``, the newest checkpoint on disk, on any rank
-        (collective: every rank then saves at the next step, or none): it was lost with the
-        writer a fault stopped, or skipped, and without one more save the job would run
-        unprotected by disk until the next one falls due."""
-        lost = max_over_ranks([1.0 if newest is None or newest < due else 0.0])[0] > 0
-        if lost:
+    def ahead_of_disk(self, step: int, newest: int | None) -> bool:
+        """Whether ``step``, just restored from memory, is newer than ``newest``, the newest
+        checkpoint on disk, on any rank (collective: every rank then saves at the next step,
+        or none). Its save was lost with the writer a fault stopped, or held back; without
+        one more save the job runs unprotected by disk until the next one falls due."""
+        behind = max_over_ranks([1.0 if newest is None or newest < step else 0.0])[0] > 0
+        if behind:
             logger.info(
-                "the save of step %d is not on disk (the newest there: %s): saving at the "
+                "step %d came from memory; the newest checkpoint on disk is %s: saving at the "
                 "next step",
-                due,
+                step,
                 newest,
             )
-        return lost
+        return behind
 
     def _agreed(self, reading: bool) -> bool:
         """Lean: may every rank replace its one snapshot now? One all-reduce (every rank
