@@ -187,7 +187,6 @@ class Checkpointer:
         self._adaptive = AdaptiveSaves.of(self.root, self.config, self._ledger, self.rank)
         self._auto = AutoSnapshots.of(self.config, max_over_ranks)
         self._graceful = preempt.Stop(self.root, self.run)
-        self._unsaved = False  # restored from memory, newer than disk: save at the next step
         if self.config.eager_writer:
             self._saves.inflight.start_writer(self._saves.hooks)  # the first: nothing to hand over
         _created.add(self)
@@ -217,7 +216,6 @@ class Checkpointer:
         adaptive, auto = self._adaptive, self._auto
         snap = auto is not None and auto.step(step)  # timed; True: a snapshot is due
         due = self.config.due(step) if adaptive is None else adaptive.due(step, self._saves.stats)
-        due, self._unsaved = due or self._unsaved, False  # tried once: then the schedule's
         pending = self._saves.pending  # one copy: a save (True) or snapshot held back a step
         if due or pending:
             t0 = time.time()
@@ -393,8 +391,6 @@ class Checkpointer:
             ledger=self._ledger,
             begin=t0,
         )
-        if step is not None and (self.config.every_steps > 0 or self._adaptive is not None):
-            self._unsaved = self._saves.ahead_of_disk(step, self.latest())
         if step is None:
             self._saves.staging.retain(None)  # what memory held is of another timeline now
             step = restore_recorded(

@@ -354,21 +354,6 @@ class Saves:
             values = sum(i.nbytes for i in resolved.items if i.tensor is None)
             self.staging.prepare_later(tensors, values)
 
-    def ahead_of_disk(self, step: int, newest: int | None) -> bool:
-        """Whether ``step``, just restored from memory, is newer than ``newest``, the newest
-        checkpoint on disk, on any rank (collective: every rank then saves at the next step,
-        or none). Its save was lost with the writer a fault stopped, or held back; without
-        one more save the job runs unprotected by disk until the next one falls due."""
-        behind = max_over_ranks([1.0 if newest is None or newest < step else 0.0])[0] > 0
-        if behind:
-            logger.info(
-                "step %d came from memory; the newest checkpoint on disk is %s: saving at the "
-                "next step",
-                step,
-                newest,
-            )
-        return behind
-
     def _agreed(self, reading: bool) -> bool:
         """Lean: may every rank replace its one snapshot now? One all-reduce (every rank
         stages the same steps): a rank that faulted before getting here keeps the others from
