@@ -64,8 +64,15 @@ def test_a_hang_is_detected_in_about_a_second_without_timeout_flags(
     events = read_events(run_dir)
     intervals = [e.get("value") for e in events if e.get("name") == "ckpt_interval_steps"]
     assert intervals and all(3 <= v <= 1000 for v in intervals), intervals
-    committed = {e.get("step") for e in events if e.kind == "ckpt_commit"}
-    assert committed - {9, 19, 29, 39}, committed  # not the fixed schedule's steps
+    # Saves fell due at the adaptive interval's steps, not the fixed schedule's: staged, or
+    # skipped while an earlier one still persisted (the writer gets what two busy ranks on two
+    # cores leave it: a save may persist for a second or more, so its commits may be few).
+    due = {
+        e.get("step")
+        for e in events
+        if e.kind == "ckpt_skip" or (e.kind == "ckpt_stage" and e.get("durable") is True)
+    }
+    assert due - {9, 19, 29, 39}, due
     assert {e.attempt for e in events} == {0}, "the launcher restarted the workers"
     (injected,) = [e for e in events if e.kind == "fault_injected"]
     detected = [e for e in events if e.kind == "fault_detected" and e.get("detector") == "watchdog"]
