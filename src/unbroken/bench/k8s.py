@@ -375,18 +375,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=4,
         help="keep-alives missed before a node is dropped (detection = interval x attempts)",
     )
-    p.add_argument(
-        "--rdzv-poll-s",
-        type=float,
-        default=0.05,
-        help="how often an agent waiting in the rendezvous looks at its state",
-    )
-    p.add_argument(
-        "--membership-check-s",
-        type=float,
-        default=0.1,
-        help="how often a running agent looks for lost or waiting nodes",
-    )
+    for flag, default, what in (
+        ("--rdzv-poll-s", 0.05, "how often an agent waiting in the rendezvous looks at its state"),
+        ("--membership-check-s", 0.1, "how often a running agent looks for lost or waiting nodes"),
+    ):
+        p.add_argument(flag, type=float, default=default, help=what)
     p.add_argument(
         "--mode",
         choices=["auto", "netns", "loopback"],
@@ -412,15 +405,9 @@ def main(a: argparse.Namespace) -> int:
     if store_at is not None and not 0 <= store_at < a.at_step:  # before a run, not after one
         print(f"error: --lose-store-at-step must be in [0, --at-step={a.at_step})", file=sys.stderr)
         return 2
+    polls = {"rdzv_poll_s": a.rdzv_poll_s, "membership_check_s": a.membership_check_s}
     try:  # before the first run: bad arguments and a foreign directory fail at once
-        NodeLoss(
-            lose=a.lose,
-            drain=a.drain,
-            steps=a.steps,
-            at_step=a.at_step,
-            rdzv_poll_s=a.rdzv_poll_s,
-            membership_check_s=a.membership_check_s,
-        )
+        NodeLoss(lose=a.lose, drain=a.drain, steps=a.steps, at_step=a.at_step, **polls)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -451,8 +438,7 @@ def main(a: argparse.Namespace) -> int:
             pod_restart_s=a.pod_restart_s,
             keep_alive_s=a.keep_alive_s,
             keep_alive_attempts=a.keep_alive_attempts,
-            rdzv_poll_s=a.rdzv_poll_s,
-            membership_check_s=a.membership_check_s,
+            **polls,
             mode=a.mode,
         )
         print(f"== {name}", flush=True)

@@ -118,8 +118,7 @@ class Checkpointer:
         allow_foreign: ``restore`` may load a checkpoint another run wrote.
         config: The other settings (None: the defaults).
         ledger: Records every save and load (None: the active ledger of ``unbroken.run``).
-        hooks: Hooks for the writer process (``unbroken.checkpoint.persisting.hooks``; None: those
-            ``unbroken.run`` offers, if any).
+        hooks: Hooks for the writer process (``persisting.hooks``; None: ``unbroken.run``'s).
         run: The job that owns the directory (None: the ledger's run; without one, a single
             process is its own job and the ranks of a group share an unnamed one, whose
             checkpoints any run may restore).
@@ -295,23 +294,10 @@ class Checkpointer:
         """
         return self._saves.note(step, state)
 
-    def prepare(self, state: Mapping[str, Any]) -> None:
-        """Lay out, allocate and fault in the staging arena for a large ``state`` (32 MiB of
-        tensors or more) on a thread now, not in the first save; once, and only before it.
-        ``maybe_save`` does this at its first step that is no save; call it where ``save`` is
-        called directly, as soon as the state is complete (an optimizer has its state after
-        its first step).
-
-        Args:
-            state: As ``save`` takes it.
-        """
-        self._saves.prepare_ahead(state)
-
     def wait_staged(self) -> None:
-        """Block until the in-flight snapshot is fully copied and sealed (waits only with
-        ``overlap``, or for a large snapshot's seal: ``staging.SEAL_LATER_BYTES``). Call before
-        changing parameters or optimizer state other than through ``optimizer.step`` of an
-        optimizer in the state."""
+        """Block until the in-flight snapshot is copied and sealed (waits with ``overlap``, or
+        for a large one's seal). Call before changing parameters or optimizer state other than
+        through ``optimizer.step`` of an optimizer in the state."""
         self._saves.wait_staged()
 
     def wait(self) -> bool:
