@@ -15,14 +15,14 @@ optimizer state's shards, every shard filled from its own seed. For each size:
   after each persist).
 - **ours** (``Checkpointer``, its defaults: async, memory tier): the arena laid out ahead on
   the stager thread (what ``maybe_save`` does at its first step that is no save; timed to its
-  end), then ``--saves`` saves, each waited for; the stall is how
-  long ``save`` blocked (the median over the saves after the first), persist is save to
-  durable; then a restore from disk
-  (a fresh Checkpointer without the memory tier, page cache dropped) and ``RESTORES`` from the
-  memory tier (what an in-process restart does: the arena kept by ``abort``; the median), each
-  checked against the seeds. Host memory is the memory the staging arena takes over the state's. Then the peer tier:
-  a snapshot replicated to the next node's peer service (two services on loopback), and a
-  fresh Checkpointer with nothing in its memory restoring it from there (where memory allows).
+  end), then ``--saves`` saves, each waited for; the stall is how long ``save`` blocked (the
+  median over the saves after the first), persist is save to durable; then a restore from
+  disk (a fresh Checkpointer without the memory tier, page cache dropped) and ``RESTORES``
+  from the memory tier (what an in-process restart does: the arena kept by ``abort``; the
+  median), each checked against the seeds. Host memory is the memory the staging arena takes
+  over the state's. Then the peer tier: a snapshot replicated to the next node's peer service
+  (two services on loopback), and a fresh Checkpointer with nothing in its memory restoring it
+  from there (where memory allows).
 - **dcp-async**: ``dcp.async_save`` with a reused ``DefaultStager`` staging on a thread (its
   best mode on a CPU), the stall being until staging completes (the state may change only
   then), persist until the upload completes; restore with ``dcp.load`` from disk. Host memory

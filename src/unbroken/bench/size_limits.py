@@ -90,10 +90,10 @@ def limits(state: Shards, root: Path) -> dict[str, Any]:
 
 
 class Floors:
-    """The limits again, timed just before each measured save and restore: on a shared host
-    the memory and disk bandwidth move by half from one second to the next, so each stall,
-    persist and restore is set against a plain copy (and a persist against a plain
-    write+fsync) timed next to it, not against the best one of the start."""
+    """The limits again, next to each measured operation: on a shared host the memory and
+    disk bandwidth move by half from one second to the next, so each stall and restore from
+    memory is set against a plain copy timed just before it, not against the best one of the
+    start; the plain write+fsync timed after each persist joins the disk's best of the run."""
 
     def __init__(self, state: Shards, root: Path) -> None:
         self._state = state
