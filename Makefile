@@ -26,15 +26,18 @@ browser:
 	  { apt-get update -q >/dev/null && apt-get install -y -q chromium >/dev/null; } || \
 	  { echo "could not install chromium: run 'apt-get install chromium' as root" >&2; exit 1; }; }
 
-# The whole suite (CI): every test but the serial ones, then the serial ones (they measure time
-# or CPU shares) alone; the slowest tests are listed at the end of each part. TEST_WORKERS=N runs
-# the first part on N processes (pytest-xdist): worth it with more cores than the 2 a test's
-# ranks use; on 2 cores the suite is CPU-bound (N=2 saved a fifth of the time, and starved the
-# timing-sensitive end-to-end tests of the other worker).
+# The whole suite (CI), in three parts: the unit tests on UNIT_WORKERS processes (pytest-xdist;
+# they are CPU-bound in pytest itself and time nothing), then the multi-process tests, then the
+# serial ones (they measure time or CPU shares) alone; the slowest tests are listed at the end of
+# each part. TEST_WORKERS=N runs the multi-process part on N processes too: worth it with more
+# cores than the 2 a test's ranks use; on 2 cores those tests are CPU-bound (N=2 saved a fifth of
+# the time, and starved the timing-sensitive end-to-end tests of the other worker).
+UNIT_WORKERS ?= 2
 TEST_WORKERS ?= 1
-XDIST := $(if $(filter-out 1,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist worksteal)
+xdist = $(if $(filter-out 1,$(1)),-n $(1) --dist worksteal)
 test: $(STAMP) browser
-	$(PY) -m pytest -q $(XDIST) -m "not serial" --durations=25 tests
+	$(PY) -m pytest -q $(call xdist,$(UNIT_WORKERS)) -m "unit and not serial" --durations=10 tests
+	$(PY) -m pytest -q $(call xdist,$(TEST_WORKERS)) -m "not unit and not serial" --durations=25 tests
 	$(PY) -m pytest -q -m serial --durations=10 tests
 
 # A change's inner loop (about a minute): the unit tests that start no processes and take no seconds.

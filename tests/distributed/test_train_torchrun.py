@@ -76,7 +76,9 @@ def test_report_of_a_plain_run_is_sensible(tmp_path: Path) -> None:
         assert rep.badput_s[phase] > 0, phase
 
 
-def test_sigkill_under_torchrun_restart_fires_once_and_recovers_10_of_10(tmp_path: Path) -> None:
+def test_sigkill_under_torchrun_restart_fires_once_and_recovers_3_of_3(tmp_path: Path) -> None:
+    """Three trials, each a real torchrun restart after a SIGKILL (the hundred seeded faults of
+    ``make soak`` are where reliability is counted)."""
     plan = tmp_path / "plan.yaml"
     plan.write_text("faults:\n  - {step: 5, rank: 1, kind: sigkill}\n")
     ref = run(
@@ -84,7 +86,7 @@ def test_sigkill_under_torchrun_restart_fires_once_and_recovers_10_of_10(tmp_pat
     )
     assert ref.returncode == 0, ref.output[-3000:]
     expected = ref.hashes()[0]
-    for trial in range(10):
+    for trial in range(3):
         run_dir = tmp_path / f"t{trial}"
         res = run(
             train_cmd(

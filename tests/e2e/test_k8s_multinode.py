@@ -22,7 +22,7 @@ pytestmark = [
     pytest.mark.skipif(netns_unavailable() is not None, reason=f"{netns_unavailable()}"),
 ]
 
-STEPS, AT_STEP = 24, 8
+STEPS, AT_STEP = 16, 8
 JOB = NodeLoss(steps=STEPS, at_step=AT_STEP, mode="netns", pod_restart_s=0.5, timeout_s=420)
 FQDN = "{host}.ft.default.svc.cluster.local"
 
@@ -111,10 +111,10 @@ def test_a_hot_spare_takes_the_lost_nodes_place_without_waiting_for_kubernetes(
     clean_hash: str, tmp_path: Path
 ) -> None:
     """4 pods for 3 nodes: the one that came last waits as a spare. Lose the node of group
-    rank 0; training resumes with the spare while the replacement pod is still 20 s away; the
+    rank 0; training resumes with the spare while the replacement pod is still 10 s away; the
     replacement then finds the job done (or waits as the new spare) and exits 0."""
     run_ = dataclasses.replace(
-        JOB, spares=1, lose="group-rank:0", pod_restart_s=20.0, snapshot_every=1
+        JOB, spares=1, lose="group-rank:0", pod_restart_s=10.0, snapshot_every=1
     )
     res = run_node_loss(run_, tmp_path)
     assert res.status == "Complete", res.history[-5:]
