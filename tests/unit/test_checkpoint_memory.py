@@ -17,7 +17,7 @@ from torch.distributed.checkpoint.metadata import MetadataIndex
 
 from toy import mlp, train_step
 from unbroken.checkpoint import CheckpointConfig, Checkpointer, layout
-from unbroken.checkpoint.staging import memory
+from unbroken.checkpoint.staging import memory, ring_format
 from unbroken.checkpoint.staging.arena import Arena, Slot, copy_into, plan_slots
 from unbroken.checkpoint.staging.staging import Staging
 from unbroken.checkpoint.tiers import keeper, tiers
@@ -27,13 +27,13 @@ from unbroken.ledger import Ledger, read_events
 
 def _ring_with(
     steps: list[int], *, fqn: str = "w", rank: int = 0, world_size: int = 1
-) -> tuple[Arena, memory.Ring, list[memory.Snapshot]]:
+) -> tuple[Arena, ring_format.Ring, list[memory.Snapshot]]:
     """An arena of three regions holding ``steps`` (one tensor each: a ramp of step + i)."""
     slots, total = plan_slots([(torch.float32, (256,), 1024)])
-    ring = memory.Ring.sized(3, total, 0, None)
+    ring = ring_format.Ring.sized(3, total, 0, None)
     arena = Arena()
     arena.ensure(ring.total)
-    memory.write_ring(arena, ring)
+    ring_format.write_ring(arena, ring)
     snaps = []
     for region, step in enumerate(steps):
         base = ring.data_base(region)
@@ -65,7 +65,7 @@ def test_a_flipped_byte_fails_the_check_and_a_cleared_region_is_gone() -> None:
     slot = snaps[1].tensors[0][1]
     byte = arena.read(slot.offset + 7, 1)[0]
     arena.write(slot.offset + 7, bytes([byte ^ 1]))
-    memory.clear(arena, ring, 2)  # region of step 6: being overwritten
+    ring_format.clear(arena, ring, 2)  # region of step 6: being overwritten
     _, held = memory.read(arena)
     assert [s.step for s in held] == [5, 4]
     assert memory.verify(held[0]) == "step 5: 'w' fails its checksum"
@@ -89,7 +89,7 @@ def test_a_warm_verdict_holds_only_for_the_snapshot_it_checked() -> None:
     assert warm.pool is None  # no optimizer state in these snapshots
     # Region 0 staged anew after the warm-up (another step, another sequence number): its
     # verdict is unknown, so the restore checks its digests itself.
-    memory.clear(arena, ring, 0)
+    ring_format.clear(arena, ring, 0)
     base = ring.data_base(0)
     again = memory.Snapshot(
         step=7, rank=0, world_size=1, arena=arena, region=0,

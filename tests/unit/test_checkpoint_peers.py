@@ -10,6 +10,9 @@ import io
 import json
 import os
 import socket
+import subprocess
+import sys
+import types
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -19,7 +22,7 @@ from torch.distributed.checkpoint.metadata import MetadataIndex
 
 from toy import mlp, train_step
 from unbroken.checkpoint import CheckpointConfig, Checkpointer, layout
-from unbroken.checkpoint.staging import memory
+from unbroken.checkpoint.staging import memory, ring_format
 from unbroken.checkpoint.staging.arena import Arena, Slot, copy_into
 from unbroken.checkpoint.tiers import keeper, peers
 from unbroken.launcher.keeper import MemoryKeeper
@@ -83,6 +86,51 @@ def test_the_next_node_holds_the_two_newest_and_a_fresh_process_restores_the_new
     assert "checksums verified" in str(load.get("why"))
 
 
+_SERVICE_ALONE = """
+import json, sys
+from unbroken.checkpoint.tiers.peers import PeerService
+service = PeerService(host="127.0.0.1", bind="127.0.0.1")
+print(service.peer, flush=True)
+sys.stdin.readline()
+print(json.dumps({"held": service.held(), "torch": "torch" in sys.modules}), flush=True)
+service.close()
+"""
+
+
+@pytest.mark.slow
+def test_a_service_without_torch_takes_replicas_and_serves_them(
+    tmp_path: Path, nodes: list[peers.PeerService]
+) -> None:
+    """The node agent runs the service: it keeps and serves replicas as bytes and never
+    imports torch (a second or two of CPU at an agent's start, on the cores its workers need)."""
+    child = subprocess.Popen(
+        [sys.executable, "-c", _SERVICE_ALONE],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert child.stdout is not None and child.stdin is not None
+        alone = types.SimpleNamespace(peer=child.stdout.readline().strip())
+        want = _train_on_node0(tmp_path / "ckpt", [nodes[0], alone], steps=5)
+        addrs = (str(nodes[0].peer), alone.peer)
+        model2, optim2 = mlp(1)
+        with Checkpointer(tmp_path / "ckpt", peers=addrs, peer_index=1) as ck:
+            assert ck.restore({"model": model2, "optim": optim2}) == 4  # from the replica
+        assert all(torch.equal(v, want[k]) for k, v in model2.state_dict().items())
+        child.stdin.write("done\n")
+        child.stdin.flush()
+        seen = json.loads(child.stdout.readline())
+    finally:
+        try:
+            child.wait(10)
+        except subprocess.TimeoutExpired:
+            child.kill()
+            child.wait()
+    key = f"{(tmp_path / 'ckpt').resolve()}#rank0"
+    assert seen == {"held": {key: [4, 3]}, "torch": False}
+
+
 def _damage(service: peers.PeerService, key: str, step: int) -> None:
     arena = service._replicas[key].arena
     snap = next(s for s in memory.read(arena)[1] if s.step == step)
@@ -107,11 +155,11 @@ def test_a_damaged_replica_falls_back_to_the_older_one_then_to_disk(
     assert layout.committed_steps(root) == [2]
 
 
-def _sealed_region(ring: memory.Ring, *, step: int) -> bytes:
+def _sealed_region(ring: ring_format.Ring, *, step: int) -> bytes:
     """The bytes of region 0 of a ring holding one sealed snapshot of ``step``."""
     arena = Arena()
     arena.ensure(ring.total)
-    memory.write_ring(arena, ring)
+    ring_format.write_ring(arena, ring)
     slot = Slot(ring.data_base(0), 1024, torch.float32, (256,))
     copy_into(arena, [(torch.arange(256.0) + step, slot)])
     snap = memory.Snapshot(
@@ -125,7 +173,7 @@ def _sealed_region(ring: memory.Ring, *, step: int) -> bytes:
 
 
 def _put(service: peers.PeerService, token: str, verdict: bytes) -> dict[str, object]:
-    ring = memory.Ring(2, 4096, 65536)
+    ring = ring_format.Ring(2, 4096, 65536)
     with socket.create_connection(("127.0.0.1", service.peer.port), timeout=5) as sock:
         msg = {"op": "put", "key": "k", "token": token, "stride": ring.stride}
         msg |= {"data_bytes": ring.data_bytes, "meta_cap": ring.meta_cap}
@@ -235,10 +283,10 @@ class _Planted:
 
 
 def test_a_replica_whose_values_are_not_plain_is_refused_before_any_is_loaded() -> None:
-    ring = memory.Ring(2, 4096, 65536)
+    ring = ring_format.Ring(2, 4096, 65536)
     arena = Arena()
     arena.ensure(ring.total)
-    memory.write_ring(arena, ring)
+    ring_format.write_ring(arena, ring)
     good, bad = io.BytesIO(), io.BytesIO()
     torch.save({"lr": 0.1, "betas": (0.9, 0.99)}, good)
     torch.save(_Planted(), bad)

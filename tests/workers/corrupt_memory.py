@@ -11,14 +11,14 @@ import signal
 import sys
 from typing import Any
 
-from unbroken.checkpoint.staging import memory
+from unbroken.checkpoint.staging import memory, ring_format
 from unbroken.workload import train
 
 _seal = memory.seal
 
 
 def _corrupt_and_die(at: int):
-    def seal(snapshot: memory.Snapshot, ring: memory.Ring, **kwargs: Any) -> None:
+    def seal(snapshot: memory.Snapshot, ring: ring_format.Ring, **kwargs: Any) -> None:
         _seal(snapshot, ring, **kwargs)
         if snapshot.step != at:
             return

@@ -6,6 +6,9 @@ the writer's socket, in the writer; under ``unbroken-run`` the node agent holds 
 the arena outlives this process (``adopt`` maps it in the next one; see ``memory``). Pages are touched once at allocation so that a save copies
 into already-faulted memory (several times faster than copying while faulting). On CUDA the
 mapping is page-locked with cudaHostRegister so device-to-host copies run asynchronously.
+
+torch is imported on first use, not with the module: the node agent's peer service keeps
+replicas in arenas as bytes only (``ring_format``) and starts without it.
 """
 
 from __future__ import annotations
@@ -14,9 +17,12 @@ import logging
 import mmap
 import os
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
 import xxhash
+
+if TYPE_CHECKING:
+    import torch
 
 logger = logging.getLogger(__name__)
 
@@ -75,7 +81,6 @@ class Arena:
             os.close(fd)
             raise
         arena.fd, arena.size, arena._mm = fd, size, mm
-        arena._bytes = torch.frombuffer(mm, dtype=torch.uint8)
         arena.generation = 1
         return arena
 
@@ -104,9 +109,9 @@ class Arena:
             os.close(fd)
             raise
         self.fd, self.size, self._mm = fd, size, mm
-        self._bytes = torch.frombuffer(mm, dtype=torch.uint8)
         self._touch = size if touch is None else min(touch, size)
-        self._bytes[: self._touch].fill_(0)  # fault the pages in now, not during a save
+        if self._touch:  # fault the pages in now, not during a save
+            self._tensor()[: self._touch].fill_(0)
         if pin:
             self._pin()
         self.generation += 1
@@ -120,9 +125,16 @@ class Arena:
 
     def view(self, slot: Slot) -> torch.Tensor:
         """The arena's bytes for ``slot`` as a tensor of the slot's dtype and shape."""
-        assert self._bytes is not None
-        raw = self._bytes[slot.offset : slot.offset + slot.nbytes]
+        raw = self._tensor()[slot.offset : slot.offset + slot.nbytes]
         return raw.view(slot.dtype).view(slot.shape)
+
+    def _tensor(self) -> torch.Tensor:
+        """The whole mapping as one uint8 tensor (made on first use)."""
+        if self._bytes is None:
+            import torch
+
+            self._bytes = torch.frombuffer(self._mapped(), dtype=torch.uint8)
+        return self._bytes
 
     def _mapped(self) -> mmap.mmap:
         if self._mm is None:
@@ -164,12 +176,13 @@ class Arena:
             logger.debug("MADV_REMOVE of the staging arena: %s", e)
 
     def _pin(self) -> None:
-        assert self._bytes is not None
+        import torch
+
         self._pin_tried = True
         if not torch.cuda.is_available():
             return
         nbytes = self._touch or self.size
-        err = torch.cuda.cudart().cudaHostRegister(self._bytes.data_ptr(), nbytes, 0)
+        err = torch.cuda.cudart().cudaHostRegister(self._tensor().data_ptr(), nbytes, 0)
         if int(err) != 0:
             logger.warning("cudaHostRegister of the staging arena failed (%s); copies block", err)
             return
@@ -177,6 +190,8 @@ class Arena:
 
     def close(self) -> None:
         if self._bytes is not None and self._pinned:
+            import torch
+
             torch.cuda.cudart().cudaHostUnregister(self._bytes.data_ptr())
         self._pinned = self._pin_tried = False
         self._bytes = None
@@ -192,22 +207,23 @@ class Arena:
         self.size = 0
 
 
-@torch.no_grad()
 def copy_into(arena: Arena, pairs: list[tuple[torch.Tensor, Slot]]) -> None:
     """Copy each source tensor into its slot; waits for device copies to finish."""
     copy_tensors([src for src, _ in pairs], [arena.view(slot) for _, slot in pairs])
 
 
-@torch.no_grad()
 def copy_tensors(srcs: list[torch.Tensor], dsts: list[torch.Tensor]) -> None:
     """Copy each source into its destination (of the same dtype and shape: arena views);
     waits for device copies to finish. Host sources go in one ``_foreach_copy_`` call (one
     dispatch instead of one per tensor, whose overhead adds up over many small tensors)."""
+    import torch
+
     if not srcs:
         return
-    if any(src.is_cuda for src in srcs):
-        for src, dst in zip(srcs, dsts, strict=True):
-            dst.copy_(src, non_blocking=src.is_cuda)
-        torch.cuda.current_stream().synchronize()
-    else:
-        torch._foreach_copy_(dsts, srcs)
+    with torch.no_grad():
+        if any(src.is_cuda for src in srcs):
+            for src, dst in zip(srcs, dsts, strict=True):
+                dst.copy_(src, non_blocking=src.is_cuda)
+            torch.cuda.current_stream().synchronize()
+        else:
+            torch._foreach_copy_(dsts, srcs)

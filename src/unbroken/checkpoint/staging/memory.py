@@ -35,7 +35,6 @@ from __future__ import annotations
 import io
 import logging
 import pickle
-import struct
 import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -52,21 +51,19 @@ from torch.distributed.tensor import DTensor
 
 from unbroken.checkpoint import layout
 from unbroken.checkpoint.staging.arena import Arena, Slot
+from unbroken.checkpoint.staging.ring_format import (
+    PAGE,
+    Head,
+    Ring,
+    meta_intact,
+    read_head,
+    read_ring,
+    write_head,
+)
 from unbroken.checkpoint.state import freshopt
 from unbroken.checkpoint.state.resolve import apply_loaded, in_mesh, local_shard, template_for_load
 
 logger = logging.getLogger(__name__)
-
-PAGE = 4096
-_RING = struct.Struct("<8sQQQ")  # magic, regions, data bytes per region, metadata capacity
-_RING_MAGIC = b"UNBRING1"
-_HEAD = struct.Struct("<8sqQQQ")  # magic, step, metadata length, its digest, sequence number
-_HEAD_MAGIC = b"UNBSNAP1"
-_MIN_META = 64 << 10
-
-
-def _page(n: int) -> int:
-    return (n + PAGE - 1) // PAGE * PAGE
 
 
 class Mismatch(Exception):
@@ -74,73 +71,6 @@ class Mismatch(Exception):
 
     live_model = False
     """Raised for a template of the live model's tensors (``prepare`` asks DCP then)."""
-
-
-@dataclass(frozen=True)
-class Ring:
-    """Where the regions of an arena lie: a page of ring header, then ``regions`` regions of
-    [a page of header][``meta_cap`` bytes of metadata][``data_bytes`` of tensors]."""
-
-    regions: int
-    data_bytes: int
-    meta_cap: int
-
-    @property
-    def stride(self) -> int:
-        return PAGE + self.meta_cap + _page(self.data_bytes)
-
-    @property
-    def total(self) -> int:
-        """Bytes of arena the ring needs."""
-        return PAGE + self.regions * self.stride
-
-    def base(self, region: int) -> int:
-        return PAGE + region * self.stride
-
-    def data_base(self, region: int) -> int:
-        """Offset of the region's tensor bytes (a layout's slot offsets count from here)."""
-        return self.base(region) + PAGE + self.meta_cap
-
-    @staticmethod
-    def sized(regions: int, data_bytes: int, meta_bytes: int, old: Ring | None) -> Ring:
-        """The ring for this much data and metadata; ``old`` when it still fits (so a ring
-        adopted after a restart keeps its snapshots)."""
-        if (
-            old is not None
-            and (old.regions, old.data_bytes) == (regions, data_bytes)
-            and meta_bytes <= old.meta_cap
-        ):
-            return old
-        return Ring(regions, data_bytes, _page(max(_MIN_META, 2 * meta_bytes)))
-
-
-def write_ring(arena: Arena, ring: Ring) -> None:
-    """Lay ``ring`` out in ``arena``: every region empty."""
-    for region in range(ring.regions):
-        clear(arena, ring, region)
-    arena.write(0, _RING.pack(_RING_MAGIC, ring.regions, ring.data_bytes, ring.meta_cap))
-
-
-def read_ring(arena: Arena) -> Ring | None:
-    """The ring laid out in ``arena``, or None (a fresh or foreign arena)."""
-    if arena.size < PAGE:
-        return None
-    magic, regions, data_bytes, meta_cap = _RING.unpack(arena.read(0, _RING.size))
-    ring = Ring(regions, data_bytes, meta_cap)
-    if magic != _RING_MAGIC or regions < 1 or ring.total > arena.size:
-        return None
-    return ring
-
-
-def clear(arena: Arena, ring: Ring, region: int) -> None:
-    """Mark ``region`` empty (before its bytes are overwritten)."""
-    arena.write(ring.base(region), bytes(_HEAD.size))
-
-
-def sealed_as(arena: Arena, ring: Ring, region: int) -> tuple[int, int] | None:
-    """(step, sequence number) of the snapshot sealed in ``region``, or None (empty)."""
-    magic, step, _meta_len, _digest, seq = _HEAD.unpack(arena.read(ring.base(region), _HEAD.size))
-    return (step, seq) if magic == _HEAD_MAGIC else None
 
 
 @dataclass
@@ -187,8 +117,7 @@ def seal(snapshot: Snapshot, ring: Ring, *, relative: list[Slot] | None = None) 
         raise ValueError(f"snapshot metadata of {len(meta)} bytes > {ring.meta_cap}")
     arena.write(ring.base(region) + PAGE, meta)
     meta_digest = arena.digest(ring.base(region) + PAGE, len(meta))
-    head = _HEAD.pack(_HEAD_MAGIC, snapshot.step, len(meta), meta_digest, snapshot.seq)
-    arena.write(ring.base(region), head)
+    write_head(arena, ring, region, Head(snapshot.step, len(meta), meta_digest, snapshot.seq))
 
 
 def read(arena: Arena) -> tuple[Ring | None, list[Snapshot]]:
@@ -200,14 +129,15 @@ def read(arena: Arena) -> tuple[Ring | None, list[Snapshot]]:
     out = []
     for region in range(ring.regions):
         base = ring.base(region)
-        magic, step, meta_len, meta_digest, seq = _HEAD.unpack(arena.read(base, _HEAD.size))
-        if magic != _HEAD_MAGIC:
+        head = read_head(arena, ring, region)
+        if head is None:
             continue
-        if meta_len > ring.meta_cap or arena.digest(base + PAGE, meta_len) != meta_digest:
+        if not meta_intact(arena, ring, region, head):
             logger.warning("in-memory snapshot in region %d: metadata damaged", region)
             continue
+        step, seq = head.step, head.seq
         try:
-            meta = _parse(arena, region, arena.read(base + PAGE, meta_len))
+            meta = _parse(arena, region, arena.read(base + PAGE, head.meta_len))
         except Exception as e:  # its digest matched: another version wrote it
             logger.warning("in-memory snapshot in region %d unreadable: %s", region, e)
             continue

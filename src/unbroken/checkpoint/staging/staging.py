@@ -1,6 +1,6 @@
 """Staging: the copy of a training state into a region of the shared arena.
 
-``Staging`` owns one Checkpointer's arena, laid out as a ring of regions (``memory.Ring``): the
+``Staging`` owns one Checkpointer's arena, laid out as a ring of regions (``ring_format.Ring``): the
 item layout (planned once and cached while the tensors' shapes stay; a new layout or a grown
 arena is handed to the writer, and a new arena to the node agent's keeper), the choice of the
 region a save goes to (never the one the writer is persisting), the copy of the tensors that
@@ -27,7 +27,7 @@ from typing import Any, Protocol
 
 import torch
 
-from unbroken.checkpoint.staging import memory
+from unbroken.checkpoint.staging import memory, ring_format
 from unbroken.checkpoint.staging.arena import Arena, Slot, copy_tensors, plan_slots
 
 logger = logging.getLogger(__name__)
@@ -75,7 +75,7 @@ class Staging:
         lean: bool = False,
         arena: Arena | None = None,
         on_arena: Callable[[int], None] | None = None,
-        on_sealed: Callable[[Arena, memory.Ring, int, int], None] | None = None,
+        on_sealed: Callable[[Arena, ring_format.Ring, int, int], None] | None = None,
     ) -> None:
         self.rank = rank
         self.regions = regions
@@ -83,7 +83,7 @@ class Staging:
         """One snapshot in region 0, overwritten in place once the ranks agree; the other
         region a spare for rescues, its memory given back once region 0 holds a newer step."""
         self.arena = arena if arena is not None else Arena()
-        self.ring: memory.Ring | None = None
+        self.ring: ring_format.Ring | None = None
         self.sealed: dict[int, int] = {}
         """Region -> sequence number of the sealed snapshots this arena holds."""
         if arena is not None:
@@ -141,12 +141,12 @@ class Staging:
             ]
             self.slots, total = plan_slots(specs)
             self._indices = [i.write_item.index for i in tensors]
-            new_ring = memory.Ring.sized(self.regions, total, meta_bytes, ring)
+            new_ring = ring_format.Ring.sized(self.regions, total, meta_bytes, ring)
             pin = any(i.tensor.is_cuda for i in tensors)
             touch = new_ring.base(1) if self.lean else None  # the spare: only when used
             fresh = self.arena.ensure(new_ring.total, pin=pin, touch=touch)
             if fresh or new_ring != ring:
-                memory.write_ring(self.arena, new_ring)
+                ring_format.write_ring(self.arena, new_ring)
                 self.sealed.clear()
                 if self.lean:
                     self._spare.update(range(1, new_ring.regions))
@@ -187,7 +187,7 @@ class Staging:
             if region:
                 self._spare.add(region)
         self.sealed.pop(region, None)
-        memory.clear(self.arena, ring, region)
+        ring_format.clear(self.arena, ring, region)
         return region, self._region(region).slots
 
     def _region(self, region: int) -> _Region:
@@ -340,17 +340,17 @@ class Staging:
             return
         for r in list(self.sealed):
             if r != region:
-                memory.clear(self.arena, self.ring, r)
+                ring_format.clear(self.arena, self.ring, r)
                 del self.sealed[r]
         if self.lean:
             self._release(self.ring, keep=region)
 
-    def _release(self, ring: memory.Ring, *, keep: int | None) -> None:
+    def _release(self, ring: ring_format.Ring, *, keep: int | None) -> None:
         """Lean: empty every region but 0 and ``keep`` and give its memory back."""
         for r in range(1, ring.regions):
             if r != keep and r in self._spare:
                 self.sealed.pop(r, None)
-                memory.clear(self.arena, ring, r)
+                ring_format.clear(self.arena, ring, r)
                 self.arena.release(ring.base(r), ring.stride)
                 self._spare.discard(r)
 

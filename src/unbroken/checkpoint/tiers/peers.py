@@ -44,7 +44,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from unbroken.checkpoint.config import split_peer
-from unbroken.checkpoint.staging import memory
+from unbroken.checkpoint.staging import ring_format
 from unbroken.checkpoint.staging.arena import Arena
 
 logger = logging.getLogger(__name__)
@@ -103,14 +103,10 @@ def _seq(held: tuple[int, int] | None) -> int:
     return -1 if held is None else held[1]
 
 
-def _steps(arena: Arena) -> list[int]:
-    return [s.step for s in memory.read(arena)[1]]
-
-
 @dataclass
 class _Replica:
     arena: Arena
-    ring: memory.Ring
+    ring: ring_format.Ring
     round: int
 
 
@@ -149,7 +145,7 @@ class PeerService:
     def held(self) -> dict[str, list[int]]:
         """Key -> steps of every replica held now (newest first)."""
         with self._lock:
-            return {k: _steps(r.arena) for k, r in self._replicas.items()}
+            return {k: ring_format.held_steps(r.arena) for k, r in self._replicas.items()}
 
     def _accept(self) -> None:
         while True:
@@ -186,15 +182,15 @@ class PeerService:
                 logger.warning("peer service: a bad request: %s", e)
 
     def _put(self, conn: socket.socket, key: str, msg: dict[str, Any]) -> None:
-        ring = memory.Ring(_REPLICA_REGIONS, int(msg["data_bytes"]), int(msg["meta_cap"]))
-        if ring.stride != int(msg["stride"]) or ring.meta_cap < memory.PAGE:
+        ring = ring_format.Ring(_REPLICA_REGIONS, int(msg["data_bytes"]), int(msg["meta_cap"]))
+        if ring.stride != int(msg["stride"]) or ring.meta_cap < ring_format.PAGE:
             raise ValueError(f"a put of stride {msg['stride']} for a ring of {ring.stride}")
         with self._lock:
             rep = self._replicas.get(key)
             if rep is None or rep.ring != ring:
                 arena = Arena(name="unbroken-replica")
-                arena.ensure(ring.total)
-                memory.write_ring(arena, ring)
+                arena.ensure(ring.total, touch=0)  # the bytes come from the socket
+                ring_format.write_ring(arena, ring)
                 old, rep = rep, _Replica(arena, ring, self._round)
                 self._replicas[key] = rep
                 if old is not None:
@@ -202,13 +198,13 @@ class PeerService:
             rep.round = self._round
         # One sender per key; a reader meanwhile sees the other region whole, and this one
         # empty or (torn, if it read before the clear) failing its digests.
-        held = [memory.sealed_as(rep.arena, ring, r) for r in range(ring.regions)]
+        held = [ring_format.sealed_as(rep.arena, ring, r) for r in range(ring.regions)]
         region = min(range(ring.regions), key=lambda r: _seq(held[r]))
-        memory.clear(rep.arena, ring, region)
+        ring_format.clear(rep.arena, ring, region)
         base = ring.base(region)
-        head = bytearray(memory.PAGE)
+        head = bytearray(ring_format.PAGE)
         _recv_exact(conn, memoryview(head))
-        with rep.arena.window(base + memory.PAGE, ring.stride - memory.PAGE) as body:
+        with rep.arena.window(base + ring_format.PAGE, ring.stride - ring_format.PAGE) as body:
             _recv_exact(conn, body)
         verdict = bytearray(1)
         _recv_exact(conn, memoryview(verdict))
@@ -234,7 +230,7 @@ class PeerService:
             if arena is None:
                 continue
             try:
-                steps = _steps(arena)
+                steps = ring_format.held_steps(arena)
             finally:
                 if mine:
                     arena.close()
@@ -274,11 +270,11 @@ class PeerService:
 def _used(arena: Arena) -> int:
     """Bytes of ``arena`` up to the end of its last sealed region (what a fetch needs: a lean
     arena's spare region is sent only when it holds a snapshot, and never read into memory)."""
-    ring = memory.read_ring(arena)
+    ring = ring_format.read_ring(arena)
     if ring is None:
         return arena.size
-    sealed = [r for r in range(ring.regions) if memory.sealed_as(arena, ring, r) is not None]
-    return ring.base(max(sealed) + 1) if sealed else memory.PAGE
+    sealed = [r for r in range(ring.regions) if ring_format.sealed_as(arena, ring, r) is not None]
+    return ring.base(max(sealed) + 1) if sealed else ring_format.PAGE
 
 
 def _connect(peer: Peer, timeout_s: float) -> socket.socket:
@@ -338,7 +334,7 @@ class Replicator:
         """Snapshots the service committed."""
         self.torn = 0
         """Snapshots aborted because their region was reused while sending."""
-        self._pending: tuple[Arena, memory.Ring, int, int] | None = None
+        self._pending: tuple[Arena, ring_format.Ring, int, int] | None = None
         self._cv = threading.Condition()
         self._closed = False
         self._sock: socket.socket | None = None
@@ -347,7 +343,7 @@ class Replicator:
         self._thread = threading.Thread(target=self._loop, name="unbroken-replicator", daemon=True)
         self._thread.start()
 
-    def offer(self, arena: Arena, ring: memory.Ring, region: int, seq: int) -> None:
+    def offer(self, arena: Arena, ring: ring_format.Ring, region: int, seq: int) -> None:
         with self._cv:
             self._pending = (arena, ring, region, seq)
             self._cv.notify()
@@ -380,8 +376,8 @@ class Replicator:
                     self._busy = False
                     self._cv.notify_all()
 
-    def _send(self, arena: Arena, ring: memory.Ring, region: int, seq: int) -> None:
-        before = memory.sealed_as(arena, ring, region)
+    def _send(self, arena: Arena, ring: ring_format.Ring, region: int, seq: int) -> None:
+        before = ring_format.sealed_as(arena, ring, region)
         if before is None or before[1] != seq:
             return  # reused already: a newer one is or will be offered
         if self._sock is None:
@@ -398,7 +394,7 @@ class Replicator:
         _send(sock, msg)
         with arena.window(ring.base(region), ring.stride) as region_bytes:
             sock.sendall(region_bytes)
-        ok = memory.sealed_as(arena, ring, region) == before
+        ok = ring_format.sealed_as(arena, ring, region) == before
         sock.sendall(b"\x01" if ok else b"\x00")
         reply = _recv(sock)
         if not reply.get("ok"):

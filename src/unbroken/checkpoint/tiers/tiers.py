@@ -37,7 +37,7 @@ import torch.distributed as dist
 
 from unbroken.checkpoint import layout
 from unbroken.checkpoint.config import CheckpointConfig
-from unbroken.checkpoint.staging import memory
+from unbroken.checkpoint.staging import memory, ring_format
 from unbroken.checkpoint.staging.arena import Arena
 from unbroken.checkpoint.staging.staging import Staging
 from unbroken.checkpoint.state import freshopt
@@ -119,8 +119,10 @@ def _held_nearby(addr: str, root: Path, rank: int) -> list[set[int]]:
         except (OSError, ValueError):
             continue  # unusable: that rank's own restore says why
         try:
-            ring = memory.read_ring(arena)
-            sealed = [memory.sealed_as(arena, ring, r) for r in range(ring.regions)] if ring else []
+            ring = ring_format.read_ring(arena)
+            sealed = (
+                [ring_format.sealed_as(arena, ring, r) for r in range(ring.regions)] if ring else []
+            )
             out.append({s[0] for s in sealed if s is not None})
         finally:
             arena.close()
@@ -183,13 +185,15 @@ class Warm:
     def wait(self) -> None:
         self._thread.join()
 
-    def verdict(self, snap: memory.Snapshot, ring: memory.Ring | None) -> tuple[bool, str | None]:
+    def verdict(
+        self, snap: memory.Snapshot, ring: ring_format.Ring | None
+    ) -> tuple[bool, str | None]:
         """(known, verdict) for ``snap``: known when it was checked here and its region
         still holds the same sealed snapshot."""
         key = _id(snap)
         if key not in self.verdicts or ring is None:
             return False, None
-        if memory.sealed_as(snap.arena, ring, snap.region) != (snap.step, snap.seq):
+        if ring_format.sealed_as(snap.arena, ring, snap.region) != (snap.step, snap.seq):
             return False, None
         return True, self.verdicts[key]
 
@@ -393,7 +397,7 @@ def _agree(
     timings: dict[str, float],
     untrusted: bool,
     warm: Warm | None,
-    ring: memory.Ring | None,
+    ring: ring_format.Ring | None,
     ready: memory.Pending | None,
 ) -> tuple[memory.Pending | None, list[str], bool]:
     """One more round for ``snap``'s step: match it with the live state (unless ``ready``),
