@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -374,6 +375,53 @@ def test_a_silent_worker_waiting_out_a_tcp_retransmission_is_slow_not_hung() -> 
     t.overdue(101.0)
     hangs = t.overdue(102.0)  # no connection waits: hung
     assert [h.rank for h in hangs] == [0, 1] and hangs[0].retransmitting is False
+
+
+_WRITE_UNTIL_FULL = """
+import os, socket, sys, time
+sock = socket.create_connection(("127.0.0.1", int(sys.argv[1])))
+sock.setblocking(False)
+written = 0
+while True:
+    try:
+        written += os.write(sock.fileno(), b"x" * 65536)
+    except BlockingIOError:
+        break
+print(written, flush=True)
+time.sleep(60)
+"""
+
+
+def _wchar(pid: int) -> int:
+    io = Path(f"/proc/{pid}/io").read_text()
+    return int(next(ln for ln in io.splitlines() if ln.startswith("wchar:")).split()[1])
+
+
+def test_proc_sent_bytes_counts_a_sockets_bytes_once_its_peer_has_them() -> None:
+    """A collective over a slow link writes a socket buffer's worth at once, then waits while
+    it trickles out: bytes count as sent once the peer acknowledges them, not when written."""
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        port = server.getsockname()[1]
+        proc = subprocess.Popen(
+            [sys.executable, "-c", _WRITE_UNTIL_FULL, str(port)], stdout=subprocess.PIPE
+        )
+        try:
+            conn, _ = server.accept()
+            with conn:
+                assert proc.stdout is not None
+                written = int(proc.stdout.readline())
+                sent = proc_sent_bytes(proc.pid)  # the peer reads nothing: the buffers fill
+                assert sent is not None and sent < written <= _wchar(proc.pid), (sent, written)
+                got = 0
+                while got < written:
+                    got += len(conn.recv(1 << 20))
+                deadline = time.monotonic() + 10
+                while proc_sent_bytes(proc.pid) != _wchar(proc.pid):
+                    assert time.monotonic() < deadline, (proc_sent_bytes(proc.pid), written)
+                    time.sleep(0.01)
+        finally:
+            proc.kill()
+            proc.wait()
 
 
 def test_proc_sent_bytes_counts_what_a_process_writes(tmp_path: Path) -> None:

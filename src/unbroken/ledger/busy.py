@@ -7,8 +7,8 @@ waits for its peers in a collective sleeps, which is not busy; a rank whose CPU 
 which is. So in synchronous training, where every rank's step takes equally long, the
 straggler's ``busy_s / dur_s`` is near 1 and the others' lower (``stragglers``).
 
-``proc_sent_bytes`` reads another /proc figure of the same kind: the bytes a process passed
-to write calls (``wchar``), which tells a collective crawling over a degraded network (its data
+``proc_sent_bytes`` reads other /proc figures of the same kind: the bytes a process passed
+to write calls (``wchar``) less those its TCP connections still hold unacknowledged, which tells a collective crawling over a degraded network (its data
 trickles out) from a hung one (nothing moves): the launcher's and the in-process watchdog's
 "slow, not hung" rules use it; ``proc_tcp_retransmitting``, for the time TCP waits out a
 retransmission timeout and nothing is written, the launcher's.
@@ -97,29 +97,26 @@ class BusyClock:
 
 
 def proc_sent_bytes(pid: int) -> int | None:
-    """Bytes process ``pid`` passed to write calls so far, sockets included (/proc/<pid>/io
-    ``wchar``; a collective's sends count, datagrams sent with sendto do not); None when the
-    process is gone or /proc cannot say."""
+    """Bytes process ``pid`` has sent so far: passed to write calls (/proc/<pid>/io ``wchar``,
+    a collective's sends included; datagrams sent with sendto not) less those still queued
+    unacknowledged on its TCP connections (``tx_queue``). Over a slow link a collective writes
+    a socket buffer's worth at once, then nothing for as long as the link takes to carry it: the
+    count grows as the peer acknowledges it, not in lumps. None when the process is gone or
+    /proc cannot say."""
+    queued = sum(int(f[4].split(":")[0], 16) for f in _tcp_connections(pid) or ())
     try:
         for line in Path(f"/proc/{pid}/io").read_text().splitlines():
             if line.startswith("wchar:"):
-                return int(line.split()[1])
+                return int(line.split()[1]) - queued  # the queue read first: never under
     except (OSError, ValueError, IndexError):
         return None
     return None
 
 
-RETRANSMITTING_MAX = 5
-"""Consecutive retransmission timeouts of one segment up to which a connection counts as a lossy
-link being waited out; more: its peer is gone."""
-
-
-def proc_tcp_retransmitting(pid: int) -> bool | None:
-    """Whether process ``pid`` has a TCP connection to another host waiting out a retransmission
-    timeout now: data unacknowledged, 1 to ``RETRANSMITTING_MAX`` timeouts in a row
-    (/proc/<pid>/net/tcp{,6}'s ``retrnsmt``, of the sockets in /proc/<pid>/fd). While TCP waits,
-    a collective over a lossy link writes nothing; a hung peer's kernel still acknowledges.
-    None when the process is gone or /proc cannot say."""
+def _tcp_connections(pid: int) -> list[list[str]] | None:
+    """The established TCP connections of process ``pid`` (the sockets in /proc/<pid>/fd), each
+    its /proc/<pid>/net/tcp{,6} row split: sl local rem st tx:rx tr:when retrnsmt uid timeout
+    inode. None when the process is gone."""
     inodes = set()
     try:
         names = os.listdir(f"/proc/{pid}/fd")
@@ -132,18 +129,40 @@ def proc_tcp_retransmitting(pid: int) -> bool | None:
             continue
         if target.startswith("socket:["):
             inodes.add(int(target[8:-1]))
+    rows = []
     for table in ("tcp", "tcp6"):
         try:
             lines = Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]
         except OSError:
             continue
         for line in lines:
-            f = line.split()  # sl local rem st tx:rx tr:when retrnsmt uid timeout inode
-            if len(f) < 10 or f[3] != "01" or int(f[9]) not in inodes:
-                continue
-            local, remote = f[1].rsplit(":", 1)[0], f[2].rsplit(":", 1)[0]
-            if local == remote or remote.endswith("7F") or remote.endswith("01000000"):
-                continue  # this host, or loopback (127.x.x.x, ::1): no network
-            if int(f[4].split(":")[0], 16) and 1 <= int(f[6], 16) <= RETRANSMITTING_MAX:
-                return True
+            f = line.split()
+            if len(f) >= 10 and f[3] == "01" and int(f[9]) in inodes:
+                rows.append(f)
+    return rows
+
+
+RETRANSMITTING_MAX = 5
+"""Consecutive retransmission timeouts of one segment up to which a connection counts as a lossy
+link being waited out; more: its peer is gone."""
+
+
+def proc_tcp_retransmitting(pid: int) -> bool | None:
+    """Whether process ``pid`` waits on the network now: a TCP connection to another host holds
+    data unacknowledged under its retransmission timer, with at most ``RETRANSMITTING_MAX``
+    timeouts in a row (/proc/<pid>/net/tcp{,6}: ``tx_queue``, ``tr`` 1 and ``retrnsmt``, of
+    the sockets in /proc/<pid>/fd). A collective over a slow or lossy link writes nothing while
+    its data is on the way or TCP waits out a timeout; a hung peer's kernel still acknowledges
+    (and, its buffer full, the timer is the zero-window probe's, ``tr`` 4). None when the
+    process is gone or /proc cannot say."""
+    rows = _tcp_connections(pid)
+    if rows is None:
+        return None
+    for f in rows:
+        local, remote = f[1].rsplit(":", 1)[0], f[2].rsplit(":", 1)[0]
+        if local == remote or remote.endswith("7F") or remote.endswith("01000000"):
+            continue  # this host, or loopback (127.x.x.x, ::1): no network
+        queued, timer, timeouts = int(f[4].split(":")[0], 16), f[5][:2], int(f[6], 16)
+        if queued and timer == "01" and timeouts <= RETRANSMITTING_MAX:
+            return True
     return False
