@@ -259,7 +259,12 @@ class Agent:
         self._next_membership = now + self.cfg.membership_check_s
         if self.rdzv.peer_preempted(self.round):  # it leaves on purpose: not a lost node
             return 0, [], True
-        return (*self.rdzv.membership(), False)
+        waiting, lost = self.rdzv.membership()
+        # A preempted node announces, then leaves: gone now, its announcement is there too
+        # (it may have come between the two reads above).
+        if lost and self.rdzv.peer_preempted(self.round):
+            return 0, [], True
+        return waiting, lost, False
 
     def _watch(self) -> None:
         while self.machine.state is State.RUNNING:
