@@ -8,10 +8,11 @@ which is. So in synchronous training, where every rank's step takes equally long
 straggler's ``busy_s / dur_s`` is near 1 and the others' lower (``stragglers``).
 
 ``proc_sent_bytes`` reads other /proc figures of the same kind: the bytes a process passed
-to write calls (``wchar``) less those its TCP connections still hold unacknowledged, which tells a collective crawling over a degraded network (its data
-trickles out) from a hung one (nothing moves): the launcher's and the in-process watchdog's
-"slow, not hung" rules use it; ``proc_tcp_retransmitting``, for the time TCP waits out a
-retransmission timeout and nothing is written, the launcher's.
+to write calls (``wchar``) less those its TCP connections still hold unacknowledged, which
+tells a collective crawling over a degraded network (its data trickles out) from a hung one
+(nothing moves): the launcher's and the in-process watchdog's "slow, not hung" rules use it;
+``proc_tcp_retransmitting``, for data on its way under TCP's retransmission timer while
+nothing is written, the launcher's.
 
 The file is opened once per thread and read with one ``pread`` (a few microseconds). Where
 it cannot be read (not Linux, no schedstat) every reading is None and no ``busy_s`` is

@@ -260,8 +260,8 @@ class Watchdog:
         self._suspect = None if sent is None else (now, sent)
 
     def _sending(self, now: float, since: float, soft: float) -> bool:
-        """Slow, not hung: written ``SENDING_BYTES_S`` a second since it became a suspect, and
-        silent for fewer than ``SENDING_LIMIT`` timeouts (see the module docstring)."""
+        """Slow, not hung: sent (acknowledged) ``SENDING_BYTES_S`` a second since it became a
+        suspect, and silent for fewer than ``SENDING_LIMIT`` timeouts (see the module docstring)."""
         suspect = self._suspect
         if self.sent_bytes is None or suspect is None or suspect[0] < since:
             return False

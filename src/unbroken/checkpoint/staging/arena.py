@@ -3,9 +3,10 @@
 The arena is a memfd (anonymous shared memory, the same tmpfs pages as a /dev/shm file, but
 with no name to leak when a process is SIGKILLed), mapped here and, through its fd passed over
 the writer's socket, in the writer; under ``unbroken-run`` the node agent holds the fd too, so
-the arena outlives this process (``adopt`` maps it in the next one; see ``memory``). Pages are touched once at allocation so that a save copies
-into already-faulted memory (several times faster than copying while faulting). On CUDA the
-mapping is page-locked with cudaHostRegister so device-to-host copies run asynchronously.
+the arena outlives this process (``adopt`` maps it in the next one; see ``memory``). Pages
+are touched once at allocation so that a save copies into already-faulted memory (several
+times faster than copying while faulting). On CUDA the mapping is page-locked with
+cudaHostRegister so device-to-host copies run asynchronously.
 
 torch is imported on first use, not with the module: the node agent's peer service keeps
 replicas in arenas as bytes only (``ring_format``) and starts without it.
