@@ -13,7 +13,8 @@ that a script adopts unbroken in a few lines and its report has every figure:
   restores from the snapshots the agent held, a lost node's ranks from another node's memory;
 - every ``ctx.step_done`` also sends the launcher heartbeat (``unbroken.heartbeat``) with the
   newest step an open Checkpointer saw committed, for the launcher's hang and no-progress
-  guards;
+  guards; while the in-process watchdog waits for a rank whose collective crawls over a slow
+  network, it tells the launcher so (``client.waiting``), which then waits too;
 - the fault plan named by ``UNBROKEN_FAULTS`` (or ``fault_plan``) fires from ``ctx.step_done``
   and on entry into the phases it targets (``unbroken.ledger.phases``: ``init`` as ``fn`` is
   first called in a process, ``recovery`` as it is called again after a fault or in a process
@@ -66,7 +67,7 @@ from unbroken.checkpoint.persisting import forkserver, hooks, inflight
 from unbroken.env import Overrides, WorkerEnv, standby_start
 from unbroken.errors import EXIT_CONFIG, ConfigError, Preempted, StopJob
 from unbroken.faults import FaultInjector, load_plan
-from unbroken.launcher.client import heartbeat
+from unbroken.launcher.client import heartbeat, waiting
 from unbroken.ledger import NULL, Ledger, phases, process_start_time
 from unbroken.ledger import events as ev
 from unbroken.ledger.active import activate
@@ -173,6 +174,7 @@ def run(
                 config=config,
                 ledger=ledger,
                 env=env,
+                on_waiting=waiting,
             )
     except (Escalated, RankExcluded, ConfigError, Preempted, KeyboardInterrupt, SystemExit):
         if ledger is not None:

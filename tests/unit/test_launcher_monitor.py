@@ -377,6 +377,67 @@ def test_a_silent_worker_waiting_out_a_tcp_retransmission_is_slow_not_hung() -> 
     assert [h.rank for h in hangs] == [0, 1] and hangs[0].retransmitting is False
 
 
+def test_a_silent_worker_whose_watchdog_says_it_waits_on_the_network_is_given_time(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A receiver on a lossy link shows the agent nothing in /proc (no bytes written, no data
+    under a retransmission timer); its own watchdog sees the link at work and says so
+    (``client.waiting``, over the real socket, signed): the agent waits, for at most
+    SENDING_LIMIT timeouts, and the word is no heartbeat (the silence goes on). Without it, or
+    once it has stopped, the silence is a hang."""
+    key = HeartbeatServer.new_key()
+    server = HeartbeatServer(key=key)
+    try:
+        monkeypatch.setenv(uenv.UNBROKEN_HEARTBEAT_ADDR, server.addr)
+        monkeypatch.setenv(uenv.UNBROKEN_HEARTBEAT_KEY, key.hex())
+        monkeypatch.setenv(uenv.RANK, "0")
+        monkeypatch.setenv(uenv.LOCAL_RANK, "0")
+        monkeypatch.setenv(uenv.UNBROKEN_ROUND, "0")
+        monkeypatch.setenv(uenv.UNBROKEN_HEARTBEAT_INTERVAL_S, "60")
+        client.reset()
+        client.waiting("slow network, not hung: its connections lost 7 segment(s) meanwhile")
+        client.waiting("again")  # within half an interval: dropped
+        deadline = time.monotonic() + 5
+        got: list[dict] = []
+        while not got and time.monotonic() < deadline:
+            got += server.drain()
+            time.sleep(0.01)
+        time.sleep(0.05)
+        got += server.drain()
+    finally:
+        client.reset()
+        server.close()
+    assert len(got) == 1 and got[0]["wait"].endswith("lost 7 segment(s) meanwhile")
+    word = got[0]
+
+    cpu, sent = FakeRunnable(), FakeRunnable()
+    cpu.used = {os.getpid(): 5.0, 101: 5.0}
+    sent.used = {os.getpid(): 1e6, 101: 1e6}  # nothing written by either
+    t = tracker(runnable_s=cpu, sent_bytes=sent, retransmitting=lambda pid: False)
+    t.begin_round(0, {0: (0, os.getpid()), 1: (1, 101)}, now=0.0)
+    t.record({**hb(0, step=1), "pid": os.getpid()}, now=1.0)
+    t.record(hb(1, step=1), now=1.0)
+    assert t.overdue(2.0) == []
+    assert t.record(word, now=2.9) is False
+    assert t.overdue(3.0) == []  # 2 s silent, but its watchdog said it waits on the network
+    now = 3.0
+    while now + 2.0 < 1.0 + SENDING_LIMIT * 2.0:  # said again and again: a timeout at a time
+        now += 2.0
+        t.record(word, now=now - 0.05)
+        assert t.overdue(now) == [], now
+    now += 2.0
+    t.record(word, now=now - 0.05)
+    hangs = t.overdue(now)  # a link that never delivers a step: a hang in the end
+    assert [h.rank for h in hangs] == [0, 1] and hangs[0].vouched == word["wait"]
+    assert hangs[0].silent_s == pytest.approx(now - 1.0)  # the words were no heartbeats
+    t.record({**hb(0, step=2), "pid": os.getpid()}, now=100.0)
+    t.record(hb(1, step=2), now=100.0)
+    t.record(word, now=100.5)  # said once, then no more: stale by the deadline
+    t.overdue(101.0)
+    hangs = t.overdue(102.0)
+    assert [h.rank for h in hangs] == [0, 1] and hangs[0].vouched is None
+
+
 _WRITE_UNTIL_FULL = """
 import os, socket, sys, time
 sock = socket.create_connection(("127.0.0.1", int(sys.argv[1])))

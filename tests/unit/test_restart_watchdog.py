@@ -115,12 +115,13 @@ def test_a_rank_that_sends_is_slow_not_hung() -> None:
     sent[0] = 10_000  # 20 kB/s
     assert w.evaluate(1.1, silent_s=1.1).action == NONE
     assert w.sending_bps == pytest.approx(20_000)
+    assert w.waiting_why() == "this rank is sending 20 kB/s"  # what the launcher is told
     deadline = w.deadline()
     assert deadline is not None and deadline > 30.0  # the backstop waits too
     assert w.evaluate(2.5, silent_s=2.5).action == NONE  # 5.3 kB/s on average: still sending
     assert w.evaluate(3.5, silent_s=3.5).action == KILL  # 3.4 kB/s: it stopped, past hard
     w.progress(3.6, step=True)
-    assert w.sending_bps is None
+    assert w.sending_bps is None and w.waiting_why() is None
 
 
 def test_a_rank_that_sends_nothing_is_hung_and_sending_has_a_limit() -> None:
@@ -161,6 +162,7 @@ def test_a_silent_rank_whose_connections_lose_segments_is_slow_not_hung() -> Non
     lost[7] = 3  # resent three segments
     assert w.evaluate(1.1, silent_s=1.1).action == NONE
     assert w.waiting() and w.lost_segments == 3 and w.sending_bps is None
+    assert w.waiting_why() == "its connections lost 3 segment(s) meanwhile"
     deadline = w.deadline()
     assert deadline is not None and deadline > 30.0  # the backstop waits too
     assert w.evaluate(2.5, silent_s=2.5).action == NONE

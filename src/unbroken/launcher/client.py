@@ -10,7 +10,8 @@ checkpoint of that step is durable, so the agent's no-progress guard can see it.
 A worker that has never called ``heartbeat`` is not watched for hangs until the job has shown it
 heartbeats (see ``monitor``). Calls for the same step closer together than
 ``UNBROKEN_HEARTBEAT_INTERVAL_S`` are dropped, and a new step is sent at most every
-``STEP_GAP_S``. Safe after ``fork``: the state is per process.
+``STEP_GAP_S``. ``waiting(why)`` is the in-process watchdog's word that a silent worker waits
+on a slow network, not hung (see ``monitor``). Safe after ``fork``: the state is per process.
 
 Never imports torch. Imports of ours: ``unbroken.env``.
 """
@@ -32,6 +33,10 @@ STEP_GAP_S = 0.05
 """A new step is told at most this often (a signed datagram is the dearest of a step's calls,
 so a short step does not send one every step); a new committed step or the last step is told
 at once."""
+
+
+WAIT_CHARS = 160
+"""The longest reason a ``waiting`` datagram carries."""
 
 
 def sign(key: bytes, payload: bytes) -> bytes:
@@ -64,6 +69,7 @@ class _Client:
         self.newest_step: int | None = None
         self.last_committed: int | None = None
         self.finishing = False
+        self.last_wait = float("-inf")
 
     def send(self, step: int | None, committed_step: int | None, finishing: bool = False) -> None:
         if step is None:  # "alive": tell the newest step, which a rate-limited call may not have
@@ -103,6 +109,28 @@ class _Client:
             self.last_step = step
         if committed_step is not None:
             self.last_committed = committed_step
+
+    def send_wait(self, why: str) -> None:
+        now = time.monotonic()
+        if now - self.last_wait < self.interval_s / 2:
+            return
+        msg = {
+            "v": VERSION,
+            "rank": self.rank,
+            "lr": self.local_rank,
+            "pid": self.pid,
+            "round": self.round,
+            "step": None,
+            "committed": None,
+            "ts": time.time(),
+            "wait": why[:WAIT_CHARS],
+        }
+        try:
+            payload = json.dumps(msg, separators=(",", ":")).encode()
+            self.sock.sendto(payload if self.key is None else sign(self.key, payload), self.addr)
+        except OSError:
+            return
+        self.last_wait = now
 
 
 _client: _Client | None = None
@@ -159,6 +187,22 @@ def heartbeat(
     client = _get()
     if client is not None:
         client.send(step, committed_step, finishing)
+
+
+def waiting(why: str) -> None:
+    """Tell the node agent this worker is silent because it waits on a slow network, not hung:
+    its in-process watchdog sees the collective's data move (``restart.watchdog``: bytes
+    acknowledged, segments lost and resent), which the agent cannot see from /proc on the
+    receiving side. The agent then gives it time as it would a worker it sees sending
+    (``slowness``), up to the same limit; the datagram is no heartbeat (the silence goes on).
+    Sent at most twice a heartbeat interval; cheap, never raises; a no-op without an agent.
+
+    Args:
+        why: What the watchdog saw, for the agent's log (cut to ``WAIT_CHARS``).
+    """
+    client = _get()
+    if client is not None:
+        client.send_wait(why)
 
 
 def reset() -> None:

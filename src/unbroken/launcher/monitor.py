@@ -16,7 +16,9 @@ tests drive it with scripted heartbeats and times:
 - a worker "finishing" (past its last step, or restarting in-process) gets the configured
   initial timeout until its next heartbeat without that flag;
 - a silent worker that computes or sends is slow, not hung: its suspects get more time
-  (``slowness``: the rules, what they read of /proc, their limits).
+  (``slowness``: the rules, what they read of /proc, their limits); so is one whose own
+  in-process watchdog says it waits on a slow network (a ``waiting`` datagram: no heartbeat,
+  its silence goes on).
 
 Datagrams from an earlier round or another pid are ignored, and so are datagrams not signed
 with the job's secret (HMAC-SHA256; see ``parse_datagram``) or not shaped like a heartbeat.
@@ -36,7 +38,8 @@ from pathlib import Path
 from typing import Any
 
 from unbroken.launcher import calibrate
-from unbroken.launcher.slowness import ByteCount, RunClock, slow_not_hung
+from unbroken.launcher.client import WAIT_CHARS
+from unbroken.launcher.slowness import VOUCH_FRESH, ByteCount, RunClock, slow_not_hung
 from unbroken.ledger.durable import write_atomic
 
 logger = logging.getLogger(__name__)
@@ -149,6 +152,9 @@ class Hang:
     retransmitting: bool | None = None
     """A connection of it to another host waits out a TCP retransmission timeout, when
     measured."""
+    vouched: str | None = None
+    """What its own in-process watchdog told lately (``client.waiting``): it waits on a slow
+    network, not hung."""
     phase: str
     """"initial" (no heartbeat yet this round), "steady", or "finishing" (past the last step:
     the initial timeout applies)."""
@@ -172,6 +178,8 @@ class _Worker:
     """(time, bytes written) then."""
     extended_to: float | None = None
     """A deadline moved on because the node was computing."""
+    vouched: tuple[float, str] | None = None
+    """(time, why) of its watchdog's last ``waiting`` datagram."""
 
 
 @dataclass
@@ -307,6 +315,10 @@ class HeartbeatTracker:
             or (w.pid is not None and msg.get("pid") != w.pid)
         ):
             return False
+        why = msg.get("wait")
+        if why is not None:  # the worker's word that it waits on the network: no heartbeat
+            w.vouched = (now, str(why)[:WAIT_CHARS])
+            return False
         first = w.first is None
         fin = msg.get("fin") is True
         if first:
@@ -384,6 +396,13 @@ class HeartbeatTracker:
             return None
         return max(0.0, new[1] - w.mark[1]) / (new[0] - w.mark[0])  # < 0: a thread ended
 
+    def _vouched(self, w: _Worker, now: float) -> str | None:
+        """Why ``w``'s watchdog said it waits on the network, if it said so lately (it says
+        so twice a heartbeat interval while it does)."""
+        if w.vouched is None or now - w.vouched[0] > VOUCH_FRESH * self.heartbeat_interval_s:
+            return None
+        return w.vouched[1]
+
     def next_deadline(self) -> float | None:
         """The earliest monotonic time at which some worker becomes overdue, if any."""
         if not self.enabled:
@@ -430,6 +449,7 @@ class HeartbeatTracker:
                     if self.retransmitting is None or w.pid is None
                     else self.retransmitting(w.pid)
                 ),
+                vouched=self._vouched(w, now),
             )
             for lr, w, d in suspects
         ]

@@ -22,6 +22,12 @@ called hung, the agent asks /proc whether it is working:
   another host in that state (``retransmitting``: ``proc_tcp_retransmitting``) is given time
   the same way; a hung peer's kernel still acknowledges, a lost one's never does.
 
+- a silent worker whose own in-process watchdog says it waits on a slow network (``vouched``:
+  its ``client.waiting`` datagram, sent while the watchdog sees its collective's bytes
+  acknowledged or its lost segments resent) is given time the same way: a receiver on a lossy
+  link writes nothing and holds no data under a retransmission timer, so /proc shows the
+  agent nothing, while the worker's own connections (``TCP_INFO``) show the link at work.
+
 Each limit keeps a worker that works without progressing (a loop that spins, a link that
 never delivers a step) from being given time for ever.
 """
@@ -48,6 +54,10 @@ SENDING_LIMIT = 30.0
 """Timeouts of silence a communicating worker is given at most (a link 50 ms longer each way
 that loses 1% of its packets carries ~180 KB/s per TCP connection: a step of some MB takes the
 whole of a 20 s degradation)."""
+
+VOUCH_FRESH = 2.0
+"""Heartbeat intervals a worker's ``waiting`` word holds for (it is repeated twice an interval
+while the worker waits)."""
 
 RunClock = Callable[[int], "float | None"]
 """Seconds a process's threads have run or waited to run, None when it cannot be read."""
@@ -87,6 +97,8 @@ class Suspect(Protocol):
     def sending(self) -> float | None: ...
     @property
     def retransmitting(self) -> bool | None: ...
+    @property
+    def vouched(self) -> str | None: ...
 
 
 def slow_not_hung(suspects: Sequence[Suspect]) -> tuple[str | None, float]:
@@ -117,4 +129,7 @@ def slow_not_hung(suspects: Sequence[Suspect]) -> tuple[str | None, float]:
                 "lossy link)",
                 SENDING_LIMIT,
             )
+    for h in suspects:
+        if h.vouched and within(SENDING_LIMIT):
+            return f"rank {h.rank}'s watchdog: {h.vouched}", SENDING_LIMIT
     return None, 0.0

@@ -96,8 +96,13 @@ class Monitor:
         store: StoreHost,
         kill: Callable[[], None] = _sigkill_self,
         calibrator: Calibrator | None = None,
+        on_waiting: Callable[[str], None] | None = None,
     ) -> None:
+        """``on_waiting(why)`` is called on every check while the watchdog waits for this
+        rank because its network is slow (not hung): ``unbroken.job`` passes the launcher's
+        ``client.waiting``, so that the node agent waits too."""
         self.config = config
+        self._on_waiting = on_waiting
         self.ledger = ledger
         self.interrupter = interrupter
         self.watchdog = Watchdog(
@@ -331,17 +336,16 @@ class Monitor:
                 self._last_interrupt = now
 
     def _tell_sending(self, verdict: Verdict) -> None:
-        """Log once per silence that the rank is waited for because the network is slow."""
-        dog = self.watchdog
-        if not dog.waiting() or verdict.action != NONE:
+        """Log once per silence that the rank is waited for because the network is slow, and
+        tell ``on_waiting`` on every check meanwhile."""
+        why = self.watchdog.waiting_why()
+        if why is None or verdict.action != NONE:
             self._told_sending = False
-        elif not self._told_sending:
+            return
+        if self._on_waiting is not None:
+            self._on_waiting(f"slow network, not hung: {why}")
+        if not self._told_sending:
             self._told_sending = True
-            why = (
-                f"this rank is sending {dog.sending_bps / 1000:.0f} kB/s"
-                if dog.sending_bps is not None
-                else f"its connections lost {dog.lost_segments} segment(s) meanwhile"
-            )
             logger.warning(
                 "no progress past the soft timeout, but %s (a collective over a slow "
                 "network): slow, not hung; waiting",

@@ -307,6 +307,14 @@ class Watchdog:
         """The last verdict waited for a slow network (sending, or segments lost)."""
         return self.sending_bps is not None or self.lost_segments is not None
 
+    def waiting_why(self) -> str | None:
+        """What the last verdict waited for, in words (None: it did not wait on the network)."""
+        if self.sending_bps is not None:
+            return f"this rank is sending {self.sending_bps / 1000:.0f} kB/s"
+        if self.lost_segments is not None:
+            return f"its connections lost {self.lost_segments} segment(s) meanwhile"
+        return None
+
     def suspect(self, now: float, *, silent_s: float) -> str | None:
         """HANG or STUCK when the rank has been without progress for half its soft timeout
         (not yet a verdict). Used when a peer's report arrives: a rank that is itself hanging

@@ -80,6 +80,7 @@ def run(
     config: RestartConfig | None = None,
     ledger: Recorder | None = None,
     env: WorkerEnv | None = None,
+    on_waiting: Callable[[str], None] | None = None,
 ) -> T:
     """Call ``fn(ctx)`` on every rank until it returns everywhere.
 
@@ -93,6 +94,9 @@ def run(
         ledger: Records the restarts (None: a ``Ledger`` of its own in the launcher's run
             directory, ``UNBROKEN_RUN_DIR``, else nothing).
         env: What the launcher handed this worker (None: read from the environment).
+        on_waiting: Called with the watchdog's reason while it waits for this rank because
+            its network is slow, not hung (``unbroken.run`` passes the launcher's
+            ``heartbeat``-side ``waiting``, so the node agent waits too).
 
     Returns:
         What ``fn`` returned.
@@ -126,7 +130,9 @@ def run(
     if frozen:
         gc.freeze()
     try:
-        runner = _Runner(fn, config=config, ledger=recorder, env=env, gc_frozen=frozen)
+        runner = _Runner(
+            fn, config=config, ledger=recorder, env=env, gc_frozen=frozen, on_waiting=on_waiting
+        )
         try:
             return runner.loop()
         finally:
@@ -147,6 +153,7 @@ class _Runner:
         ledger: Recorder,
         env: WorkerEnv,
         gc_frozen: bool,
+        on_waiting: Callable[[str], None] | None = None,
     ) -> None:
         self.fn = fn
         self.config = config
@@ -189,6 +196,7 @@ class _Runner:
                 interrupter=self.interrupter,
                 store=self.host,
                 calibrator=calibrator,
+                on_waiting=on_waiting,
             )
         except BaseException:
             self.host.close()
