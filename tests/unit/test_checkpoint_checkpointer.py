@@ -239,14 +239,28 @@ def test_a_flipped_byte_falls_back_to_the_previous_checkpoint(tmp_path: Path) ->
 
 
 def test_retention_and_nothing_to_restore(tmp_path: Path) -> None:
+    """keep=2 leaves two checkpoints; a retired one's data file is written over in place by
+    the save after its retirement (the same inode), cut to the new, smaller size, and the
+    checkpoint restores exactly."""
+    root = tmp_path / "ckpt"
     w = torch.ones(10)
-    with Checkpointer(tmp_path / "ckpt", mode="sync", keep=2) as ck:
+    inodes = {}
+    with Checkpointer(root, mode="sync", keep=2) as ck:
         assert ck.restore({"w": w}) is None and ck.latest() is None
         for step in range(4):
-            ck.save(step, {"w": w})
-    assert layout.committed_steps(tmp_path / "ckpt") == [3, 2]
-    names = [n for n in os.listdir(tmp_path / "ckpt") if not n.startswith(".owner")]
-    assert sorted(names) == ["step-2", "step-3"]  # and the owner record, locks
+            w.fill_(step)
+            ck.save(step, {"w": w, "note": {"text": "x" * (4000 - 1000 * step)}})
+            inodes[step] = (layout.step_dir(root, step) / layout.data_file(0)).stat().st_ino
+    assert layout.committed_steps(root) == [3, 2]
+    names = [n for n in os.listdir(root) if not n.startswith(".owner")]
+    assert sorted(names) == [layout.RECYCLE, "step-2", "step-3"]  # and the owner record, locks
+    assert os.listdir(root / layout.RECYCLE) == [layout.data_file(0)]  # step 1's, for the next
+    assert inodes[3] == inodes[0] and len(set(inodes.values())) == 3  # step 0's file, reused
+    assert layout.verify(layout.step_dir(root, 3), checksums=True) is None  # size and CRC
+    note: dict = {"text": ""}
+    with Checkpointer(root, keep=2) as ck:
+        assert ck.restore({"w": w, "note": note}) == 3
+    assert torch.equal(w, torch.full((10,), 3.0)) and note["text"] == "x" * 1000
 
 
 def test_bad_state_is_rejected_with_what_to_do(tmp_path: Path) -> None:

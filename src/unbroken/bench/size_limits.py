@@ -93,7 +93,8 @@ class Floors:
     """The limits again, next to each measured operation: on a shared host the memory and
     disk bandwidth move by half from one second to the next, so each stall and restore from
     memory is set against a plain copy timed just before it, not against the best one of the
-    start; the plain write+fsync timed after each persist joins the disk's best of the run."""
+    start; a persist is set against the plain write+fsyncs timed on either side of it (which
+    also join the disk's best of the run)."""
 
     def __init__(self, state: Shards, root: Path) -> None:
         self._state = state

@@ -330,8 +330,11 @@ class Writer:
         base = msg.get("base", 0)  # the arena region the save was staged in
         rate = self._rate()
         name = layout.data_file(self.rank)
-        fd = os.open(part / name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         t0 = time.monotonic()
+        # A retired checkpoint's file of this rank, written over in place (``layout``).
+        recycled = layout.claim_recycled(part.parent, name, part / name)
+        flags = os.O_WRONLY | os.O_CREAT | (0 if recycled else os.O_TRUNC)
+        fd = os.open(part / name, flags, 0o644)
         try:
             stream = ChecksumWriter(fd, bytes_per_s=rate, check=check)
             items, results = [], []
@@ -369,6 +372,8 @@ class Writer:
                     raise OSError(err.errno, err.strerror, str(part / name)) from e
                 add(wi, offset)
             stream.flush()
+            if recycled:
+                os.ftruncate(fd, stream.pos)
             t1 = time.monotonic()
             self.reply({"type": "written", "step": msg["step"]})  # the arena is free again
             os.fsync(fd)
@@ -392,6 +397,7 @@ class Writer:
             "write_s": t1 - t0,
             "fsync_s": t2 - t1,
             "throttle_bytes_per_s": rate,
+            "recycled": recycled,
         }
 
     def _rate(self) -> float:

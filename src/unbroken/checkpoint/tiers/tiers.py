@@ -216,7 +216,7 @@ def hand_over(addr: str, root: Path, rank: int, fd: int) -> None:
 
 
 def _gather(mine: Any, world_size: int) -> list[Any]:
-    if dist.is_available() and dist.is_initialized():
+    if world_size > 1 and dist.is_available() and dist.is_initialized():  # a group of one: mine
         out: list[Any] = [None] * world_size
         dist.all_gather_object(out, mine)
         return out
