@@ -120,6 +120,23 @@ def test_corruption_waits_for_a_save_in_flight(tmp_path: Path) -> None:
     assert storage.saves_in_flight(root) == []
 
 
+def test_a_checkpoint_renamed_into_place_but_not_yet_committed_is_in_flight(
+    tmp_path: Path,
+) -> None:
+    """The coordinator renames step-N.partial to step-N, fsyncs, then writes COMMITTED: a
+    corruption in between must wait for it, or it corrupts the older one (seen when faster
+    persists moved the commit next to the fault)."""
+    root = tmp_path / "ckpt"
+    _commit(root, 3)
+    layout.step_dir(root, 7).mkdir()
+    assert storage.saves_in_flight(root) == ["step-7"]
+    out = storage.corrupt_newest(root, rank=0, target="data", settle_s=0.05)
+    assert out["in_flight"] == ["step-7"] and out["checkpoint"] == str(layout.step_dir(root, 3))
+    layout.step_dir(root, 7).rmdir()
+    _commit(root, 7)  # as the coordinator leaves it: COMMITTED written
+    assert storage.saves_in_flight(root) == []
+
+
 def test_corruption_without_a_checkpoint_says_so(tmp_path: Path) -> None:
     out = storage.corrupt_newest(tmp_path / "ckpt", rank=0, target="data", settle_s=0.0)
     assert out["checkpoint"] is None and out["file"] is None

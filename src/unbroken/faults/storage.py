@@ -7,6 +7,7 @@ torch); the slow-storage fault lives in ``throttle``.
 from __future__ import annotations
 
 import os
+import re
 import time
 from pathlib import Path
 from typing import Any
@@ -16,21 +17,31 @@ from unbroken.checkpoint import layout
 _FLIP_BYTES = 16
 _POLL_S = 0.01
 _ENDING_MARKERS = (layout.ABANDONED, ".skipped", ".failed")
+_STEP = re.compile(r"^step-\d+$")
 
 
 def saves_in_flight(root: Path) -> list[str]:
-    """Partial checkpoint directories that no abandon marker ends: saves still being written."""
+    """Saves still being written or committed: partial checkpoint directories that no abandon
+    marker ends, and checkpoints renamed into place whose ``COMMITTED`` is not written yet."""
     out: list[str] = []
     if not root.is_dir():
         return out
     for entry in os.scandir(root):
-        if not entry.name.endswith(layout.PARTIAL_SUFFIX):
+        partial = entry.name.endswith(layout.PARTIAL_SUFFIX)
+        if not partial and not _STEP.match(entry.name):
             continue
         try:
             names = os.listdir(entry.path)
-        except FileNotFoundError:  # committed (renamed) meanwhile
+        except FileNotFoundError:  # committed (renamed) or removed meanwhile
             continue
-        if not any(n.endswith(_ENDING_MARKERS) for n in names):
+        # (a step-N without COMMITTED that no commit finishes, a crash's leftover, is swept
+        # at the restore)
+        ended = (
+            any(n.endswith(_ENDING_MARKERS) for n in names)
+            if partial
+            else layout.COMMITTED in names
+        )
+        if not ended:
             out.append(entry.name)
     return sorted(out)
 
