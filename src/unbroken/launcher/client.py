@@ -23,6 +23,7 @@ import json
 import os
 import socket
 import time
+from typing import Any
 
 from unbroken import env as uenv
 
@@ -86,22 +87,7 @@ class _Client:
             min(self.interval_s, STEP_GAP_S) if stepped else self.interval_s
         ):
             return
-        msg = {
-            "v": VERSION,
-            "rank": self.rank,
-            "lr": self.local_rank,
-            "pid": self.pid,
-            "round": self.round,
-            "step": step,
-            "committed": committed_step,
-            "ts": time.time(),
-        }
-        if finishing:
-            msg["fin"] = True
-        try:
-            payload = json.dumps(msg, separators=(",", ":")).encode()
-            self.sock.sendto(payload if self.key is None else sign(self.key, payload), self.addr)
-        except OSError:  # agent gone, buffer full, ICMP refusal: the agent will notice by itself
+        if not self._send(step, committed_step, **({"fin": True} if finishing else {})):
             return
         self.last_sent = now
         self.finishing = finishing
@@ -114,23 +100,28 @@ class _Client:
         now = time.monotonic()
         if now - self.last_wait < self.interval_s / 2:
             return
+        if self._send(None, None, wait=why[:WAIT_CHARS]):
+            self.last_wait = now
+
+    def _send(self, step: int | None, committed: int | None, **extra: Any) -> bool:
+        """One datagram (signed when there is a key); False when it could not be sent."""
         msg = {
             "v": VERSION,
             "rank": self.rank,
             "lr": self.local_rank,
             "pid": self.pid,
             "round": self.round,
-            "step": None,
-            "committed": None,
+            "step": step,
+            "committed": committed,
             "ts": time.time(),
-            "wait": why[:WAIT_CHARS],
+            **extra,
         }
         try:
             payload = json.dumps(msg, separators=(",", ":")).encode()
             self.sock.sendto(payload if self.key is None else sign(self.key, payload), self.addr)
-        except OSError:
-            return
-        self.last_wait = now
+        except OSError:  # agent gone, buffer full, ICMP refusal: the agent will notice by itself
+            return False
+        return True
 
 
 _client: _Client | None = None
