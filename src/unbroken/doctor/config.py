@@ -88,7 +88,8 @@ class DoctorConfig:
 
     def checkpoint_bytes(self) -> float:
         """Disk the job's checkpoints take at most: ``keep`` committed ones and one being
-        written, of every rank of every node (the checkpoint file system is shared).
+        written (between saves, the recycled files of a retired one: ``layout``), of every
+        rank of every node (the checkpoint file system is shared).
 
         Returns:
             Bytes.
