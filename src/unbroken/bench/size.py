@@ -336,9 +336,8 @@ def measure(
 def _judged(m: dict[str, Any], n: int, disk_Bps: float) -> dict[str, Any]:
     """Steady figures (medians over the saves from ``steady_from``: after the first, and for
     ours after the saves that write new files before retention recycles any), the stall's ratio
-    the median
-    of the saves' own (each to the copy timed just before it: ``Floors``), the persist's to
-    the disk's best in the run (``disk_Bps``) and, the verdict's figure, to the plain
+    the median of the saves' own (each to the copy timed just before it: ``Floors``), the
+    persist's to the disk's best in the run (``disk_Bps``) and, the verdict's figure, to the plain
     write+fsyncs timed on either side of it (the median of each persist's ratio to their mean:
     the same disk in the same state, where the best of a run is one lucky try)."""
     later = slice(m.get("steady_from", 1), None)

@@ -71,6 +71,11 @@ def step_dir(root: Path, step: int) -> Path:
     return root / f"step-{step}"
 
 
+def is_step_name(name: str) -> bool:
+    """Whether ``name`` is a checkpoint directory's (``step-N``), committed or not yet."""
+    return _STEP_RE.match(name) is not None
+
+
 def partial_dir(root: Path, step: int) -> Path:
     return root / f"step-{step}{PARTIAL_SUFFIX}"
 

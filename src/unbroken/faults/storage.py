@@ -7,7 +7,6 @@ torch); the slow-storage fault lives in ``throttle``.
 from __future__ import annotations
 
 import os
-import re
 import time
 from pathlib import Path
 from typing import Any
@@ -17,7 +16,6 @@ from unbroken.checkpoint import layout
 _FLIP_BYTES = 16
 _POLL_S = 0.01
 _ENDING_MARKERS = (layout.ABANDONED, ".skipped", ".failed")
-_STEP = re.compile(r"^step-\d+$")
 
 
 def saves_in_flight(root: Path) -> list[str]:
@@ -28,7 +26,7 @@ def saves_in_flight(root: Path) -> list[str]:
         return out
     for entry in os.scandir(root):
         partial = entry.name.endswith(layout.PARTIAL_SUFFIX)
-        if not partial and not _STEP.match(entry.name):
+        if not partial and not layout.is_step_name(entry.name):
             continue
         try:
             names = os.listdir(entry.path)

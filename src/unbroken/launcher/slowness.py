@@ -20,8 +20,7 @@ called hung, the agent asks /proc whether it is working:
   sends nothing: its peer never takes the data (or never sent its own). Nor does a collective
   while TCP waits out a retransmission timeout on a lossy link: a suspect with a connection to
   another host in that state (``retransmitting``: ``proc_tcp_retransmitting``) is given time
-  the same way; a hung peer's kernel still acknowledges, a lost one's never does.
-
+  the same way; a hung peer's kernel still acknowledges, a lost one's never does;
 - a silent worker whose own in-process watchdog says it waits on a slow network (``vouched``:
   its ``client.waiting`` datagram, sent while the watchdog sees its collective's bytes
   acknowledged or its lost segments resent) is given time the same way: a receiver on a lossy

@@ -303,12 +303,9 @@ class Watchdog:
         self.lost_segments = lost
         return True
 
-    def waiting(self) -> bool:
-        """The last verdict waited for a slow network (sending, or segments lost)."""
-        return self.sending_bps is not None or self.lost_segments is not None
-
     def waiting_why(self) -> str | None:
-        """What the last verdict waited for, in words (None: it did not wait on the network)."""
+        """What the last verdict waited for on a slow network (sending, or segments lost), in
+        words; None when it did not."""
         if self.sending_bps is not None:
             return f"this rank is sending {self.sending_bps / 1000:.0f} kB/s"
         if self.lost_segments is not None:

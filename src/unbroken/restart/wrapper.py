@@ -95,8 +95,8 @@ def run(
             directory, ``UNBROKEN_RUN_DIR``, else nothing).
         env: What the launcher handed this worker (None: read from the environment).
         on_waiting: Called with the watchdog's reason while it waits for this rank because
-            its network is slow, not hung (``unbroken.run`` passes the launcher's
-            ``heartbeat``-side ``waiting``, so the node agent waits too).
+            its network is slow, not hung (``unbroken.run`` passes
+            ``unbroken.launcher.client.waiting``, so the node agent waits too).
 
     Returns:
         What ``fn`` returned.

@@ -332,7 +332,7 @@ class Writer:
         name = layout.data_file(self.rank)
         t0 = time.monotonic()
         # A retired checkpoint's file of this rank, written over in place (``layout``).
-        recycled = layout.claim_recycled(part.parent, name, part / name)
+        recycled = layout.claim_recycled(self.root, name, part / name)
         flags = os.O_WRONLY | os.O_CREAT | (0 if recycled else os.O_TRUNC)
         fd = os.open(part / name, flags, 0o644)
         try:
@@ -397,7 +397,6 @@ class Writer:
             "write_s": t1 - t0,
             "fsync_s": t2 - t1,
             "throttle_bytes_per_s": rate,
-            "recycled": recycled,
         }
 
     def _rate(self) -> float:
