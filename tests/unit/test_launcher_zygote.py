@@ -5,6 +5,7 @@ that is a subreaper, as the agent is (making pytest one would adopt other tests'
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -209,3 +210,40 @@ def test_a_pool_whose_agent_exited_before_it_was_ready_exits_quietly() -> None:
     )
     pool.close()
     assert (proc.returncode, proc.stderr) == (0, "")
+
+
+_POOL = textwrap.dedent(
+    """
+    import json, os, sys
+    from unbroken.launcher import bootstrap
+    from unbroken.launcher.zygote import Zygote
+
+    assert bootstrap.set_child_subreaper()
+    pool = Zygote(sys.argv[2].split(","), env=dict(os.environ))
+    try:
+        warm = pool.wait_ready(60)
+    finally:
+        pool.close()
+    print(json.dumps({"warm": warm, **pool.ready}))
+    """
+)
+
+
+def test_a_thread_pool_that_stops_at_fork_keeps_the_pool_warm_and_a_plain_thread_does_not(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # numpy's OpenBLAS starts its threads at import and stops them before every fork
+    # (pthread_atfork); a module's own Python thread runs on through a fork.
+    (tmp_path / "spins.py").write_text(
+        "import threading, time\n"
+        "threading.Thread(target=time.sleep, args=(600,), daemon=True).start()\n"
+    )
+    monkeypatch.setenv("PYTHONPATH", f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setenv("OPENBLAS_NUM_THREADS", "2")  # at most the cores
+    blas = _run_agent(tmp_path, _POOL, "numpy")
+    assert blas["threads_after_preload"] == 2, blas
+    assert blas["threads"] == 1 and blas["warm"], blas
+    spins = _run_agent(tmp_path, _POOL, "json,spins")
+    assert spins["threads_after_preload"] == spins["threads"] == 2, spins
+    assert not spins["warm"], spins

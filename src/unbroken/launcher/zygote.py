@@ -5,7 +5,10 @@ its own start-up. It imports the preload modules (by default torch, torch.distri
 lazily imported torch._dynamo that the first DDP()/fully_shard() pays), freezes the heap
 (``gc.freeze``: no copy-on-write churn in the children), checks that no thread runs, and
 serves spawn requests over a socketpair (length-prefixed JSON). A pool that runs a thread or has
-initialized CUDA (a forked child could not use it) is not used: workers then start cold.
+initialized CUDA (a forked child could not use it) is not used: workers then start cold. A thread
+pool that stops itself before every fork (OpenBLAS's, which numpy starts unless
+``OMP_NUM_THREADS`` is set) is no such thread: the check counts what runs after one throwaway
+fork.
 
 Each worker is double-forked: the zygote forks an intermediate that forks the worker and exits
 at once, so the worker is re-parented to the agent, which is a child subreaper. The agent can
@@ -85,6 +88,21 @@ def _threads() -> int:
         return len(os.listdir("/proc/self/task"))
     except OSError:
         return 1
+
+
+def _threads_past_a_fork() -> int:
+    """The threads that still run after a fork: a thread pool that a ``pthread_atfork`` prepare
+    handler shuts down before every fork (OpenBLAS's, which numpy starts at import unless
+    ``OMP_NUM_THREADS`` or ``OPENBLAS_NUM_THREADS`` is set) leaves no lock held in a forked
+    child and does not count. One throwaway child, which exits at once, runs the handlers."""
+    threads = _threads()
+    if threads == 1:
+        return 1
+    pid = os.fork()
+    if pid == 0:
+        os._exit(0)
+    os.waitpid(pid, 0)
+    return _threads()
 
 
 # --- the zygote process ----------------------------------------------------------------------
@@ -263,7 +281,8 @@ def main(argv: Sequence[str]) -> tuple[dict[str, Any], int] | None:
             "ready": True,
             "preload_s": time.monotonic() - t0,
             "failed": failed,
-            "threads": _threads(),
+            "threads_after_preload": _threads(),
+            "threads": _threads_past_a_fork(),
             "cuda_initialized": cuda,
             "pid": os.getpid(),
         },
@@ -293,6 +312,7 @@ class Zygote:
             stdin=subprocess.DEVNULL,
         )
         child.close()
+        self.preload = tuple(preload)
         self.pid = self.proc.pid
         self.ready: dict[str, Any] | None = None
         self.dead = False
@@ -324,9 +344,11 @@ class Zygote:
                 self.dead = True
             elif int(msg.get("threads", 1)) != 1:
                 logger.warning(
-                    "warm pool: %s threads run after the preload; forking is unsafe, "
-                    "starting workers cold",
+                    "warm pool: %s threads run after the preload (%s), and a fork does not "
+                    "stop them: forking is unsafe, starting workers cold. A preload module "
+                    "started them: take it out of --ft-preload",
                     msg.get("threads"),
+                    ",".join(self.preload) or "nothing preloaded",
                 )
                 self.dead = True
             else:
