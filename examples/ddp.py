@@ -54,8 +54,8 @@ def train(ctx: unbroken.RestartContext) -> None:
         loss.backward()
         optim.step()
         optim.zero_grad()
-        ctx.step_done(step, loss=loss.item())
         ckpt.maybe_save(step, state)
+        ctx.step_done(step, loss=loss.item())
         if rank == 0 and step % 10 == 0:
             print(f"step {step} loss {loss.item():.4f}", flush=True)
     ckpt.close()

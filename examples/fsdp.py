@@ -69,8 +69,8 @@ def train(ctx: unbroken.RestartContext) -> None:
         loss.backward()
         optim.step()
         optim.zero_grad()
-        ctx.step_done(step, loss=loss.item())
         ckpt.maybe_save(step, state)
+        ctx.step_done(step, loss=loss.item())
         if step % 10 == 9:
             with ctx.phase("validation"):
                 val = validate(model)

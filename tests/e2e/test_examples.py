@@ -22,7 +22,7 @@ from unbroken.ledger import goodput, read_run
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "examples"
 STEPS = 40
-# An exception (in-process restart; the step-9 snapshot is still in memory), then a SIGKILL
+# An exception (in-process restart; step 15, noted, rescued from the live state), then a SIGKILL
 # (the launcher restarts both workers; they resume from the step-29 snapshot the node agent's
 # keeper held: the script never named the keeper).
 PLAN = """faults:
@@ -79,6 +79,8 @@ def test_adopted_example_recovers_bit_exact(
     assert all(f.injected and f.recovery_s is not None for f in rep.faults)
     assert faults["exception"].layer == "inprocess"
     assert faults["exception"].restore_tier == "memory"  # the failed iteration's snapshot
+    # maybe_save noted step 15 before ctx.step_done fired the fault: rescued, nothing redone.
+    assert faults["exception"].restored_step == 15 and faults["exception"].steps_lost == 0
     assert faults["sigkill"].restore_tier == "memory"  # the agent's keeper held it
     # The save of step 29, or of the next step when the writer was still writing step 19's
     # from the rank's one snapshot at step 29 (the ranks agree to stage it a step later).

@@ -48,9 +48,17 @@ def _run(
     return hashes[0]
 
 
-def _recovered(tmp_path: Path, plain: str, adopted: str, args: tuple[str, ...] = ()) -> Path:
+def _recovered(
+    tmp_path: Path,
+    plain: str,
+    adopted: str,
+    args: tuple[str, ...] = (),
+    restored: tuple[int, int, int] = (15, 24, 29),
+) -> Path:
     """Run the plain twin fault-free and the adopted example through the plan; the adopted
-    run's directory, its report checked. ``args``: the scripts' arguments."""
+    run's directory, its report checked. ``args``: the scripts' arguments; ``restored``: the
+    steps the exception, the hang and the SIGKILL restore (by default the two soft faults'
+    own, noted before the plan fired and rescued, and the SIGKILL's last snapshot)."""
     reference = _run(tmp_path / "plain", plain, args=args)
     plan = tmp_path / "plan.yaml"
     plan.write_text(PLAN)
@@ -65,7 +73,7 @@ def _recovered(tmp_path: Path, plain: str, adopted: str, args: tuple[str, ...] =
     assert faults["exception"].layer == faults["hang"].layer == "inprocess"
     assert faults["hang"].detector == "watchdog"
     assert faults["sigkill"].layer == "launcher"
-    assert [faults[k].restored_step for k in ("exception", "hang", "sigkill")] == [9, 19, 29]
+    assert tuple(faults[k].restored_step for k in ("exception", "hang", "sigkill")) == restored
     assert {f.restore_tier for f in rep.faults} == {"memory"}
     assert rep.checkpoint_save_s > 0
     observed = json.loads((run_dir / "launcher" / "heartbeats.json").read_text())
@@ -120,8 +128,15 @@ def test_a_torchtitan_trainer_recovers_bit_exact(tmp_path: Path) -> None:
     pytest.importorskip(
         "torchtitan", reason="the torchtitan extra: pip install 'unbroken[torchtitan]'"
     )
+    # torchtitan's model and optimizers reach the Checkpointer inside its own wrappers
+    # (ModelWrapper, OptimizersContainer): no step is noted between snapshots, and the soft
+    # faults too restore the last snapshot.
     run_dir = _recovered(
-        tmp_path, "plain_torchtitan_llama.py", "torchtitan_llama.py", args=TITAN_ARGS
+        tmp_path,
+        "plain_torchtitan_llama.py",
+        "torchtitan_llama.py",
+        args=TITAN_ARGS,
+        restored=(9, 19, 29),
     )
     # Durable saves every 10 steps (torchtitan's interval): after the ledger's step 39
     # (torchtitan's 40) last; the step-9 save may be lost to the exception at 15 (its commit

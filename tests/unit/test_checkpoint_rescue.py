@@ -129,7 +129,10 @@ def test_a_change_after_the_note_keeps_the_last_snapshot(tmp_path: Path, change:
     assert _restore(tmp_path, led)[0] == 2
 
 
-def test_a_model_with_buffers_is_never_noted(tmp_path: Path) -> None:
+def test_a_model_with_buffers_is_never_noted(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level("INFO", logger="unbroken.checkpoint.save")
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 8), torch.nn.BatchNorm1d(8))
     optim = torch.optim.AdamW(model.parameters(), lr=0.05)
@@ -144,6 +147,12 @@ def test_a_model_with_buffers_is_never_noted(tmp_path: Path) -> None:
         ck.maybe_save(step, state)
     assert not ck.note(3, state)
     assert "buffers" in ck._saves.notes.refused
+    # Said once, after the first snapshot (before it, refusing is no news).
+    told = [r.getMessage() for r in caplog.records if "not noted" in r.getMessage()]
+    assert told == [
+        "rank 0: steps between snapshots are not noted (the model has buffers (not tracked by "
+        "version counters)): a fault restores the last snapshot"
+    ]
     model(torch.randn(8, 16))  # BatchNorm's running statistics change, no version bump
     ck.abort()
     with Checkpointer(tmp_path / "ckpt") as ck2:
@@ -160,3 +169,35 @@ def test_freeze_copies_containers_and_tensors_and_refuses_other_objects() -> Non
     assert torch.equal(frozen["t"], torch.ones(2))
     with pytest.raises(Exception, match="a object"):
         _freeze({"o": object()})
+
+
+class _Wrapped:
+    """A model and optimizer behind one Stateful (as a framework's wrappers hold them)."""
+
+    def __init__(self, model: torch.nn.Module, optim: torch.optim.Optimizer) -> None:
+        self.model, self.optim = model, optim
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"model": self.model.state_dict(), "optim": self.optim.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.model.load_state_dict(state["model"])
+        self.optim.load_state_dict(state["optim"])
+
+
+def test_a_state_without_a_model_is_not_noted_and_says_why(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level("INFO", logger="unbroken.checkpoint.save")
+    model, optim = mlp(0)
+    state = {"wrapped": _Wrapped(model, optim)}
+    with Checkpointer(tmp_path / "ckpt", every_steps=2, snapshot_every=0) as ck:
+        for step in range(4):
+            train_step(model, optim)
+            ck.maybe_save(step, state)
+        assert ck._saves.notes.note is None
+    told = [r.getMessage() for r in caplog.records if "not noted" in r.getMessage()]
+    assert told == [
+        "rank 0: steps between snapshots are not noted (the state holds no nn.Module and "
+        "optimizers whose tensors a save tracks): a fault restores the last snapshot"
+    ]

@@ -106,8 +106,8 @@ def main(args, ctx):
         torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=1.0)
         optim.step()
         optim.zero_grad()
-        ctx.step_done(step, loss=loss.item())
         ckpt.maybe_save(step, state)
+        ctx.step_done(step, loss=loss.item())
 
     ckpt.close()
     checkpointer.save(model, optim)

@@ -85,6 +85,7 @@ class Saves:
         )
         self.cache = ResolveCache()
         self.notes = Notes()
+        self._told_refused = ""
         self.extras = StateExtras(config)  # the generators; the state for the digest
         self.last_step: int | None = None
         """The step staged (or restored) last."""
@@ -95,6 +96,8 @@ class Saves:
         self.closed = False
         self.prepared = False
         """``prepare_ahead`` ran (it runs once)."""
+        self.resolved = False
+        """A save or snapshot was staged (its state resolved, a plan learned if it can be)."""
 
     def check(self) -> None:
         """Fail the save in flight when it is past its deadline (``Inflight.poll``).
@@ -298,6 +301,7 @@ class Saves:
             else:
                 done()
         t3 = time.time()
+        self.resolved = True
         nbytes = sum(i.nbytes for i in resolved.items)
         self.stats.staged_bytes = nbytes
         if durable:
@@ -412,6 +416,18 @@ class Saves:
         state = self.extras.full(state)
         args = plan_args(state, rank=self.rank, world_size=w, overlap=o, stage_all=True)
         if not self.notes.take(step, state, self.cache.plan, args):
-            return False  # refused at once (before the first save, a model with buffers)
+            # Refused at once (before the first save, a model with buffers): said once a reason.
+            why = self.notes.refused
+            if self.cache.plan is None and self.resolved:  # it learned no plan from a save
+                why = "the state holds no nn.Module and optimizers whose tensors a save tracks"
+            if self.resolved and why != self._told_refused:
+                self._told_refused = why
+                logger.info(
+                    "rank %d: steps between snapshots are not noted (%s): a fault restores "
+                    "the last snapshot",
+                    self.rank,
+                    why,
+                )
+            return False
         self.blocked(t0, step, "note")
         return True

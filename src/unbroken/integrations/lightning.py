@@ -182,9 +182,9 @@ class Unbroken(pl.Callback):
         loss = outputs.get("loss") if isinstance(outputs, Mapping) else outputs
         if loss is not None and hasattr(loss, "item"):
             data["loss"] = float(loss.item())
-        self.ctx.step_done(step, **data)
         assert self.ckpt is not None
-        self.ckpt.maybe_save(step, self.state)
+        self.ckpt.maybe_save(step, self.state)  # before step_done: see unbroken.restart.context
+        self.ctx.step_done(step, **data)
 
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if trainer.state.fn == "fit":

@@ -107,10 +107,10 @@ class _Generators:
 
 
 class _Steps(TrainerCallback):
-    """Each optimizer step: the heartbeat and the ledger's step at its end; the Checkpointer's
-    turn then too, unless the Trainer is about to log, evaluate or save this step: then at the
-    next step's beginning (or the end of training), so the state saved holds what the Trainer
-    adds for the step (its log entry)."""
+    """Each optimizer step: the Checkpointer's turn, then the heartbeat and the ledger's step at
+    its end; unless the Trainer is about to log, evaluate or save this step: then the
+    Checkpointer's turn comes at the next step's beginning (or the end of training), so the
+    state saved holds what the Trainer adds for the step (its log entry)."""
 
     def __init__(self, trainer: UnbrokenMixin) -> None:
         self.trainer = trainer
@@ -118,11 +118,11 @@ class _Steps(TrainerCallback):
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         step = state.global_step - 1
-        self.trainer.unbroken_ctx.step_done(step)
         if control.should_log or control.should_evaluate or control.should_save:
             self.pending = step
         else:
-            self.trainer._unbroken_save(step)
+            self.trainer._unbroken_save(step)  # before step_done: see unbroken.restart.context
+        self.trainer.unbroken_ctx.step_done(step)
 
     def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self._flush()

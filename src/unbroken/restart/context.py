@@ -135,6 +135,11 @@ class RestartContext:
         heartbeat, the ledger's ``step`` record, then the step hooks in registration order (a
         hook may raise, hang or kill: that is the fault injector).
 
+        Call it after the step's ``Checkpointer.maybe_save``: a fault the plan fires here then
+        finds the step saved or noted, as a fault in the next step's work would, and an
+        in-process restart resumes after it; called before, such a fault lands between
+        ``optimizer.step`` and the note, and the restart rolls back to the last snapshot.
+
         Args:
             step: The step just completed (0-based).
             **data: Fields of the ledger's ``step`` record (``loss=...``).

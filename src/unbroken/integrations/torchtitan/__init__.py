@@ -10,7 +10,7 @@ so; ``python -m unbroken.integrations.torchtitan`` runs it, under ``unbroken-run
 - each step (torchtitan's ``save`` after ``train_step``) is a step of the ledger and a
   heartbeat (``ctx.step_done``), for the launcher's and the in-process watchdogs; the ledger
   counts steps from 0 (torchtitan's step 1 is the ledger's step 0);
-- the Checkpointer's ``maybe_save`` then takes the model, each optimizer, the LR schedulers,
+- the Checkpointer's ``maybe_save`` (just before ``step_done``) takes the model, each optimizer, the LR schedulers,
   each rank's data loader position and the Trainer's own state (step, tokens seen): async,
   atomic, verified, with the memory tier's snapshots between durable saves, every
   ``interval`` steps and after the last step when ``enable`` (the memory tier's snapshots
@@ -192,8 +192,8 @@ class Checkpoint(BaseCheckpointManager):
 
     def _save(self, curr_step: int, last_step: bool = False) -> bool:
         step = curr_step - 1
+        staged = self.ckpt.maybe_save(step, self.state)  # before step_done (a fault plan's)
         self.ctx.step_done(step)
-        staged = self.ckpt.maybe_save(step, self.state)
         if last_step and self.durable:
             # torchtitan saves its last step whatever the interval: so here, once the save in
             # flight (this step's, or one that kept this step's from starting) is committed.
