@@ -13,7 +13,7 @@ import torch
 
 from toy import mlp, train_step
 from unbroken.checkpoint import CheckpointConfig, Checkpointer
-from unbroken.checkpoint.schedule.snapshots import AutoSnapshots, interval
+from unbroken.checkpoint.schedule.snapshots import WARMUP, AutoSnapshots, interval
 from unbroken.ledger import Ledger, read_events
 from unbroken.ledger import events as ev
 
@@ -92,9 +92,9 @@ def test_maybe_save_snapshots_between_saves_as_the_budget_allows(
     led.close()
     got = _stages(tmp_path / "run")
     assert got["save"] == [4, 9, 14]
-    # Nothing is noted before the first save (nothing to rescue from); after it, every step
-    # neither saved nor snapshotted is.
-    assert set(got["note"]) == set(range(5, 14)) - {9} - set(got["snapshot"])
+    # Every step neither saved nor snapshotted is noted, from the first: its resolve (the
+    # first step that is no save) learned what a note tracks.
+    assert set(got["note"]) == set(range(14)) - {4, 9} - set(got["snapshot"])
     if not snapshots:  # 1e-6 of a step allows none before the next save
         assert got["snapshot"] == []
         return
@@ -106,3 +106,42 @@ def test_maybe_save_snapshots_between_saves_as_the_budget_allows(
         assert first == list(range(4 + n, 9, n))
     assert [s for s in got["snapshot"] if s > 9] == [10, 11, 12, 13]
     assert not any(torch.isnan(p).any() for p in itertools.chain(model.parameters()))
+
+
+def test_before_a_far_first_save_two_probes_set_the_interval() -> None:
+    # Steps of 0.1 s, the first durable save 100 steps away: after WARMUP steps timed, the
+    # next two are snapshotted (the probes), and the second's stall sets the interval.
+    agreed: list[list[float]] = []
+    clock = _clock([0.1 * i for i in range(100)])
+    auto = AutoSnapshots(0.01, 100, lambda v: agreed.append(list(v)) or list(v), clock=clock)
+    due = [s for s in range(WARMUP + 1) if auto.step(s)]
+    assert due == [WARMUP] and auto.probing  # a probe: WARMUP step times before it
+    auto.probed(WARMUP, stall_s=0.5)  # the first: the arena's allocation, not agreed
+    assert agreed == [] and auto.step(WARMUP + 1)  # the second probe
+    auto.probed(WARMUP + 1, stall_s=0.0015)  # ceil(0.0015 / (0.01 x 0.1)): every 2 steps
+    assert not auto.probing and agreed == [[0.0015, pytest.approx(0.1)]]
+    assert [s for s in range(WARMUP + 2, 20) if auto.step(s)] == [11, 13, 15, 17, 19]
+    # A durable save within 2 x WARMUP steps comes soon enough: no probe.
+    near = AutoSnapshots(0.01, 2 * WARMUP, list, clock=_clock([0.1 * i for i in range(100)]))
+    assert not any(near.step(s) for s in range(2 * WARMUP - 1))
+
+
+@pytest.mark.parametrize(("budget", "after"), [(0.9, True), (1e-6, False)])
+def test_a_checkpointer_whose_first_save_is_far_off_snapshots_from_the_probes(
+    tmp_path: Path, budget: float, after: bool
+) -> None:
+    led = Ledger(tmp_path / "run", run="auto", rank=0)
+    model, optim = mlp(0)
+    state = {"model": model, "optim": optim}
+    cfg = CheckpointConfig(every_steps=100, snapshot_budget=budget)
+    with Checkpointer(tmp_path / "ckpt", config=cfg, ledger=led) as ck:
+        for step in range(WARMUP + 6):
+            train_step(model, optim)
+            time.sleep(0.05)  # a step of 50 ms
+            ck.maybe_save(step, state)
+    led.close()
+    got = _stages(tmp_path / "run")
+    assert got["save"] == []
+    # The probes; then every step (a few ms of 0.9 x 50 ms), or none before the save.
+    rest = list(range(WARMUP + 2, WARMUP + 6)) if after else []
+    assert got["snapshot"] == [WARMUP, WARMUP + 1, *rest]

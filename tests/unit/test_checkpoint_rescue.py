@@ -34,7 +34,7 @@ class _Cursor:
 def _run(
     tmp_path: Path, model: torch.nn.Module, optim: torch.optim.Optimizer, *, rescue: bool = True
 ) -> Any:
-    """Steps 0-4 through ``maybe_save`` (a snapshot after step 2, notes after 3 and 4), and
+    """Steps 0-4 through ``maybe_save`` (a snapshot after step 2, notes after the others), and
     what the state was after step 4."""
     cursor = _Cursor()
     state = {"model": model, "optim": optim, "cursor": cursor, "rng": PerRank(_Cursor())}
@@ -94,10 +94,11 @@ def test_a_fault_before_the_optimizer_step_rescues_the_noted_step(tmp_path: Path
     assert torch.equal(cursor.acc, torch.full((3,), 10.0))
     stages = [e for e in read_events(tmp_path) if e.kind == "ckpt_stage"]
     assert [e.get("step") for e in stages if e.get("part") is None] == [2, 4]
-    # Every step after the first snapshot that was neither saved nor snapshotted was noted,
-    # and its time is a save's blocking time (checkpoint cost in the ledger), not a step's.
+    # Every step neither saved nor snapshotted was noted, from the first (its resolve learned
+    # what a note tracks), and its time is a save's blocking time (checkpoint cost in the
+    # ledger), not a step's.
     notes = [e for e in stages if e.get("part") == "note"]
-    assert [e.get("step") for e in notes] == [3, 4]
+    assert [e.get("step") for e in notes] == [0, 1, 3, 4]
     assert all(e.dur_s is not None and e.dur_s > 0 for e in notes)
 
 
@@ -201,3 +202,24 @@ def test_a_state_without_a_model_is_not_noted_and_says_why(
         "rank 0: steps between snapshots are not noted (the state holds no nn.Module and "
         "optimizers whose tensors a save tracks): a fault restores the last snapshot"
     ]
+
+
+def test_a_fault_before_the_first_save_rescues_its_step(tmp_path: Path) -> None:
+    """``maybe_save`` resolves the state at its first step, so the steps before the first save
+    (at step 99 here) are noted, and a fault rescues the newest: no restart from scratch."""
+    torch.manual_seed(0)
+    model, optim = mlp(0)
+    state = {"model": model, "optim": optim}
+    led = Ledger(tmp_path, run="t", rank=0)
+    ck = Checkpointer(tmp_path / "ckpt", ledger=led, every_steps=100)
+    for step in range(4):
+        train_step(model, optim)
+        assert not ck.maybe_save(step, state)
+    want = {k: v.clone() for k, v in model.state_dict().items()}
+    _interrupted_forward(model)
+    ck.abort()
+    model2, optim2 = mlp(7)
+    with Checkpointer(tmp_path / "ckpt", ledger=led, every_steps=100) as ck2:
+        assert ck2.restore({"model": model2, "optim": optim2}) == 3
+    led.close()
+    assert all(torch.equal(v, want[k]) for k, v in model2.state_dict().items())

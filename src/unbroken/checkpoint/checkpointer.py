@@ -28,12 +28,10 @@ rank has run unprotected (``persisting.health``; ``on_storage_failure`` "stop" e
 with ``StorageFailed`` after a limit). Memory-only snapshots (``snapshot``) come between the
 durable saves (``snapshot_every``, or as ``snapshot_budget`` allows); with ``memory_keeper``
 (set by ``unbroken-run``) they outlive the process. On SIGTERM inside ``unbroken.run``,
-``maybe_save`` stops the job gracefully (``preempt``).
-
-The environment's overrides win over the arguments (``config.overridden``). Phases
-(``unbroken.ledger.phases``): ``restore``, ``save`` (durable), ``persist`` (handed to the
-writer), ``shutdown`` (``close``, unless the script named one already).
-
+``maybe_save`` stops the job gracefully (``preempt``). The environment's overrides win over
+the arguments (``config.overridden``). Phases (``unbroken.ledger.phases``): ``restore``,
+``save`` (durable), ``persist`` (handed to the writer), ``shutdown`` (``close``, unless the
+script named one already).
 The flows, module by module: a save's in ``persisting``'s docstring, a restore's in
 ``restoring``'s (the phases: ``state``, ``staging``, ``persisting``, ``tiers``, ``restoring``).
 """
@@ -193,7 +191,8 @@ class Checkpointer:
     # --- public API --------------------------------------------------------------------------
     def maybe_save(self, step: int, state: Mapping[str, Any]) -> bool:
         """``save`` when due (after every ``every_steps`` completed steps), else ``snapshot``
-        when due (``snapshot_every``/``snapshot_budget``) or held back (one copy), else ``note``.
+        when due (``snapshot_every``/``snapshot_budget``) or held back, else ``note`` (the first
+        time after resolving the state once: what a note tracks).
 
         Args:
             step: The step just completed (0-based).
@@ -226,7 +225,11 @@ class Checkpointer:
                     auto.saved(step, stall_s=time.time() - t0)
             return staged
         if snap or self.config.snapshot_due(step) or pending is not None:
-            return self.snapshot(step, state)
+            t0 = time.time()
+            staged = self.snapshot(step, state)
+            if auto is not None and auto.probing and self._saves.pending is None:
+                auto.probed(step, stall_s=time.time() - t0)  # a probe's stall: the interval
+            return staged
         self._saves.prepare_ahead(state)  # the first step that is no save: a large arena
         self.note(step, state)
         return False
@@ -290,7 +293,7 @@ class Checkpointer:
 
         Returns:
             True when noted; False without the memory tier or ``rescue``, once closed, or
-            when the state cannot be rescued (before the first save, a model with buffers).
+            when the state cannot be rescued (not resolved yet, a model with buffers).
         """
         return self._saves.note(step, state)
 
@@ -460,10 +463,7 @@ class Checkpointer:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        if exc_type is None:
-            self.close()
-        else:
-            self.abort()
+        self.close() if exc_type is None else self.abort()
 
     @masked
     def abort(self) -> None:

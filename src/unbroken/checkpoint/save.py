@@ -97,7 +97,8 @@ class Saves:
         self.prepared = False
         """``prepare_ahead`` ran (it runs once)."""
         self.resolved = False
-        """A save or snapshot was staged (its state resolved, a plan learned if it can be)."""
+        """The state was resolved (a save, a snapshot, ``prepare_ahead``): a plan learned if
+        it can be."""
 
     def check(self) -> None:
         """Fail the save in flight when it is past its deadline (``Inflight.poll``).
@@ -335,24 +336,28 @@ class Saves:
         return not skipped
 
     def prepare_ahead(self, state: Mapping[str, Any]) -> None:
-        """Before the first save of a large state (``SEAL_LATER_BYTES``), once: lay out,
-        allocate and fault in its staging arena on the stager thread while training goes on
-        (``Staging.prepare_later``), so that the first save copies instead of faulting in
-        gigabytes (and, on a GPU, registering them as pinned). Resolved into a cache of its
-        own: the rescue's notes still begin at the first save."""
+        """At the first step that is no save, once: resolve the state, which learns the plan
+        that notes need (so a soft fault before the first save, or right after a restore,
+        rescues its step), and before the first save of a large state
+        (``SEAL_LATER_BYTES``) lay out, allocate and fault in its staging arena on the stager
+        thread while training goes on (``Staging.prepare_later``), so that the first save
+        copies instead of faulting in gigabytes (and, on a GPU, registering them as pinned)."""
         if self.prepared or not self.config.memory_tier or self.closed:
             return
         self.prepared = True
-        if self.staging.arena.size:  # adopted (a restore from memory), or a save came first
+        if self.cache.plan is not None:  # a save came first
             return
         resolved = resolve_for_save(
             self.extras.full(state),
             rank=self.rank,
             world_size=self.world_size,
             overlap=self.config.overlap,
-            cache=ResolveCache(),
+            cache=self.cache,
             stage_all=True,
         )
+        self.resolved = True
+        if self.staging.arena.size:  # adopted (a restore from memory)
+            return
         tensors = [i for i in resolved.items if i.tensor is not None]
         if sum(i.nbytes for i in tensors) >= SEAL_LATER_BYTES:
             values = sum(i.nbytes for i in resolved.items if i.tensor is None)

@@ -9,9 +9,14 @@ copies what a save copies), the step the median of the newest steps (the time be
 all-reduce on every rank at the same step), so every rank snapshots the same steps. A
 millisecond step of a small model pays as little as a two-second step of a large one.
 
-Before the first durable save, and when the interval would reach the next durable save, nothing
-is snapshotted in between (a soft fault still restores the step it interrupted: the note and
-``rescue``). A new Checkpointer (an in-process restart) measures again.
+Before the first durable save, ``WARMUP`` steps are timed and the next two are snapshotted (the
+*probes*; the first one's stall holds the arena's allocation): the lesser stall and the
+median step set the interval from there, so a job whose first
+durable save is far off (or an in-process restart's new Checkpointer, which measures again) is
+protected from a lost process long before it. No probe when the durable interval is at most
+``2 * WARMUP`` (the first save comes soon enough). When the interval would reach the next
+durable save, nothing is snapshotted in between (a soft fault still restores the step it
+interrupted: the note and ``rescue``).
 """
 
 from __future__ import annotations
@@ -26,6 +31,9 @@ from unbroken.checkpoint.config import CheckpointConfig
 
 SAMPLES = 64
 """Step times kept for the median (the newest)."""
+
+WARMUP = 8
+"""Steps timed before the probe snapshots (see the module docstring)."""
 
 
 def interval(stall_s: float, step_s: float, budget: float) -> int | None:
@@ -71,6 +79,7 @@ class AutoSnapshots:
         """Steps between snapshots now (None: none between durable saves)."""
         self.anchor: int | None = None
         """The step of the last durable save (snapshots count from it)."""
+        self._probes: list[float] = []
 
     @classmethod
     def of(
@@ -88,13 +97,31 @@ class AutoSnapshots:
         if self._t0 is not None:
             self._steps.append(now - self._t0)
         self._t0 = now
-        if self.interval is None or self.anchor is None:
+        if self.anchor is None:
+            return self.probing
+        if self.interval is None:
             return False
         since = step - self.anchor
         return since > 0 and since % self.interval == 0
 
+    @property
+    def probing(self) -> bool:
+        """A probe is due: no durable save yet, ``WARMUP`` steps timed, and the durable
+        interval long enough (or none)."""
+        far = not self.every_steps or self.every_steps > 2 * WARMUP
+        return self.anchor is None and far and len(self._steps) >= WARMUP
+
+    def probed(self, step: int, *, stall_s: float) -> None:
+        """The probe of ``step`` blocked ``stall_s``: the second sets the interval from the
+        lesser of the two stalls (collective; the first allocated the arena, either may
+        have waited on something else)."""
+        self._probes.append(stall_s)
+        if len(self._probes) > 1:
+            self.saved(step, stall_s=min(self._probes))
+
     def saved(self, step: int, *, stall_s: float) -> None:
-        """The durable save of ``step`` blocked ``stall_s``: set the interval (collective)."""
+        """The durable save (or the second probe) of ``step`` blocked ``stall_s``: set the
+        interval (collective)."""
         step_s = statistics.median(self._steps) if self._steps else 0.0
         stall, step_s = self._agree([stall_s, step_s])
         n = interval(stall, step_s, self.budget)

@@ -23,7 +23,9 @@ the newest step. A hard fault (the process killed) restores the last snapshot: a
 
 Never rescued (the last snapshot is used): a model with buffers in its state dict (BatchNorm
 updates its running statistics in the forward pass without bumping their version counters),
-a step before the first save (no plan yet), or a state value that is neither a tensor, a
+a step before the state was first resolved (no plan yet: ``maybe_save`` resolves it at its
+first step, ``note`` alone at the first save), a state without an ``nn.Module`` and its
+optimizers given as such (nothing to plan), or a state value that is neither a tensor, a
 mapping nor a Stateful whose state dict is made of tensors, containers and plain values.
 Writes through ``.data`` bypass version counters: code doing that between ``optimizer.step``
 and the next save must call ``wait_staged`` anyway (``checkpointer``), and should not rely on
