@@ -74,23 +74,29 @@ def _stages(run: Path) -> dict[str, list[int]]:
     return out
 
 
+def _train(tmp_path: Path, *, steps: int, every_steps: int, budget: float) -> dict[str, list[int]]:
+    """``steps`` steps of 50 ms through ``maybe_save``; what it staged and noted, by step."""
+    led = Ledger(tmp_path / "run", run="auto", rank=0)
+    model, optim = mlp(0)
+    state = {"model": model, "optim": optim}
+    cfg = CheckpointConfig(every_steps=every_steps, snapshot_budget=budget)
+    with Checkpointer(tmp_path / "ckpt", config=cfg, ledger=led) as ck:
+        for step in range(steps):
+            train_step(model, optim)
+            time.sleep(0.05)  # a step of 50 ms
+            ck.maybe_save(step, state)
+            if step % every_steps == every_steps - 1:
+                ck.wait()  # persisted before the next save: none skipped as still persisting
+    led.close()
+    assert not any(torch.isnan(p).any() for p in itertools.chain(model.parameters()))
+    return _stages(tmp_path / "run")
+
+
 @pytest.mark.parametrize(("budget", "snapshots"), [(0.9, True), (1e-6, False)])
 def test_maybe_save_snapshots_between_saves_as_the_budget_allows(
     tmp_path: Path, budget: float, snapshots: bool
 ) -> None:
-    led = Ledger(tmp_path / "run", run="auto", rank=0)
-    model, optim = mlp(0)
-    state = {"model": model, "optim": optim}
-    cfg = CheckpointConfig(every_steps=5, snapshot_budget=budget)
-    with Checkpointer(tmp_path / "ckpt", config=cfg, ledger=led) as ck:
-        for step in range(15):
-            train_step(model, optim)
-            time.sleep(0.05)  # a step of 50 ms
-            ck.maybe_save(step, state)
-            if step % 5 == 4:
-                ck.wait()  # persisted before the next save: none skipped as still persisting
-    led.close()
-    got = _stages(tmp_path / "run")
+    got = _train(tmp_path, steps=15, every_steps=5, budget=budget)
     assert got["save"] == [4, 9, 14]
     # Every step neither saved nor snapshotted is noted, from the first: its resolve (the
     # first step that is no save) learned what a note tracks.
@@ -105,7 +111,6 @@ def test_maybe_save_snapshots_between_saves_as_the_budget_allows(
         n = first[0] - 4
         assert first == list(range(4 + n, 9, n))
     assert [s for s in got["snapshot"] if s > 9] == [10, 11, 12, 13]
-    assert not any(torch.isnan(p).any() for p in itertools.chain(model.parameters()))
 
 
 def test_before_a_far_first_save_two_probes_set_the_interval() -> None:
@@ -130,17 +135,7 @@ def test_before_a_far_first_save_two_probes_set_the_interval() -> None:
 def test_a_checkpointer_whose_first_save_is_far_off_snapshots_from_the_probes(
     tmp_path: Path, budget: float, after: bool
 ) -> None:
-    led = Ledger(tmp_path / "run", run="auto", rank=0)
-    model, optim = mlp(0)
-    state = {"model": model, "optim": optim}
-    cfg = CheckpointConfig(every_steps=100, snapshot_budget=budget)
-    with Checkpointer(tmp_path / "ckpt", config=cfg, ledger=led) as ck:
-        for step in range(WARMUP + 6):
-            train_step(model, optim)
-            time.sleep(0.05)  # a step of 50 ms
-            ck.maybe_save(step, state)
-    led.close()
-    got = _stages(tmp_path / "run")
+    got = _train(tmp_path, steps=WARMUP + 6, every_steps=100, budget=budget)
     assert got["save"] == []
     # The probes; then every step (a few ms of 0.9 x 50 ms), or none before the save.
     rest = list(range(WARMUP + 2, WARMUP + 6)) if after else []
