@@ -10,13 +10,13 @@ all-reduce on every rank at the same step), so every rank snapshots the same ste
 millisecond step of a small model pays as little as a two-second step of a large one.
 
 Before the first durable save, ``WARMUP`` steps are timed and the next two are snapshotted (the
-*probes*; the first one's stall holds the arena's allocation): the lesser stall and the
-median step set the interval from there, so a job whose first
-durable save is far off (or an in-process restart's new Checkpointer, which measures again) is
-protected from a lost process long before it. No probe when the durable interval is at most
-``2 * WARMUP`` (the first save comes soon enough). When the interval would reach the next
-durable save, nothing is snapshotted in between (a soft fault still restores the step it
-interrupted: the note and ``rescue``).
+*probes*; the first one's stall holds the arena's allocation): the lesser stall and the median
+step set the interval from there, so a job whose first durable save is far off (or an
+in-process restart's new Checkpointer, which measures again) is protected from a lost process
+long before it. No probe when the durable interval is at most ``2 * WARMUP`` (the first save
+comes soon enough). When the interval would reach the next durable save, nothing is
+snapshotted in between (a soft fault still restores the step it interrupted: the note and
+``rescue``).
 """
 
 from __future__ import annotations
