@@ -115,7 +115,7 @@ def test_maybe_save_snapshots_between_saves_as_the_budget_allows(
 
 def test_before_a_far_first_save_two_probes_set_the_interval() -> None:
     # Steps of 0.1 s, the first durable save 100 steps away: after WARMUP steps timed, the
-    # next two are snapshotted (the probes), and the second's stall sets the interval.
+    # next two are snapshotted (the probes), and the lesser stall sets the interval.
     agreed: list[list[float]] = []
     clock = _clock([0.1 * i for i in range(100)])
     auto = AutoSnapshots(0.01, 100, lambda v: agreed.append(list(v)) or list(v), clock=clock)

@@ -148,7 +148,7 @@ def test_a_model_with_buffers_is_never_noted(
         ck.maybe_save(step, state)
     assert not ck.note(3, state)
     assert "buffers" in ck._saves.notes.refused
-    # Said once, after the first snapshot (before it, refusing is no news).
+    # Said once, once the state was resolved (before that, refusing is no news).
     told = [r.getMessage() for r in caplog.records if "not noted" in r.getMessage()]
     assert told == [
         "rank 0: steps between snapshots are not noted (the model has buffers (not tracked by "

@@ -31,9 +31,8 @@ durable saves (``snapshot_every``, or as ``snapshot_budget`` allows); with ``mem
 ``maybe_save`` stops the job gracefully (``preempt``). The environment's overrides win over
 the arguments (``config.overridden``). Phases (``unbroken.ledger.phases``): ``restore``,
 ``save`` (durable), ``persist`` (handed to the writer), ``shutdown`` (``close``, unless the
-script named one already).
-The flows, module by module: a save's in ``persisting``'s docstring, a restore's in
-``restoring``'s (the phases: ``state``, ``staging``, ``persisting``, ``tiers``, ``restoring``).
+script named one). The flows, module by module: a save's in ``persisting``'s docstring, a
+restore's in ``restoring``'s (``state``, ``staging``, ``persisting``, ``tiers``, ``restoring``).
 """
 
 from __future__ import annotations
@@ -191,8 +190,7 @@ class Checkpointer:
     # --- public API --------------------------------------------------------------------------
     def maybe_save(self, step: int, state: Mapping[str, Any]) -> bool:
         """``save`` when due (after every ``every_steps`` completed steps), else ``snapshot``
-        when due (``snapshot_every``/``snapshot_budget``) or held back, else ``note`` (the first
-        time after resolving the state once: what a note tracks).
+        when due (``snapshot_every``/``snapshot_budget``) or held back (one copy), else ``note``.
 
         Args:
             step: The step just completed (0-based).
@@ -230,7 +228,7 @@ class Checkpointer:
             if auto is not None and auto.probing and self._saves.pending is None:
                 auto.probed(step, stall_s=time.time() - t0)  # a probe's stall: the interval
             return staged
-        self._saves.prepare_ahead(state)  # the first step that is no save: a large arena
+        self._saves.prepare_ahead(state)  # once: the plan notes need, a large arena laid out
         self.note(step, state)
         return False
 
@@ -238,8 +236,7 @@ class Checkpointer:
     def _preempted(self, step: int, state: Mapping[str, Any]) -> None:
         t0 = time.time()
         self._saves.save(step, state, durable=True, last=True)
-        durable = self.wait()
-        why = None if durable else str(self.storage.last_error)
+        why = None if self.wait() else str(self.storage.last_error)
         preempt.stopped(step, began=t0, ledger=self._ledger, failed=why, latest=self.latest())
 
     def save(self, step: int, state: Mapping[str, Any]) -> bool:
@@ -463,7 +460,10 @@ class Checkpointer:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        self.close() if exc_type is None else self.abort()
+        if exc_type is None:
+            self.close()
+        else:
+            self.abort()
 
     @masked
     def abort(self) -> None:

@@ -10,11 +10,11 @@ so; ``python -m unbroken.integrations.torchtitan`` runs it, under ``unbroken-run
 - each step (torchtitan's ``save`` after ``train_step``) is a step of the ledger and a
   heartbeat (``ctx.step_done``), for the launcher's and the in-process watchdogs; the ledger
   counts steps from 0 (torchtitan's step 1 is the ledger's step 0);
-- the Checkpointer's ``maybe_save`` (just before ``step_done``) takes the model, each optimizer, the LR schedulers,
-  each rank's data loader position and the Trainer's own state (step, tokens seen): async,
-  atomic, verified, with the memory tier's snapshots between durable saves, every
-  ``interval`` steps and after the last step when ``enable`` (the memory tier's snapshots
-  also when not);
+- the Checkpointer's ``maybe_save`` (just before ``step_done``) takes the model, each
+  optimizer, the LR schedulers, each rank's data loader position and the Trainer's own state
+  (step, tokens seen): async, atomic, verified, with the memory tier's snapshots between
+  durable saves, every ``interval`` steps and after the last step when ``enable`` (the
+  memory tier's snapshots also when not);
 - ``train()`` first restores the newest checkpoint (memory, peer, disk) into the live objects
   (torchtitan's ``load``), so it goes on from the step after it;
 - torchtitan's wait before the optimizer step (``maybe_wait_for_staging``) waits for a save's
