@@ -47,6 +47,9 @@ class Preempted(StopJob):
     from that step (``unbroken.checkpoint.preempt``)."""
 
     exit_code = EXIT_PREEMPTED
+    unwound = False
+    """Raised while recovering from a fault (the launcher stopping the workers to restart
+    them): nothing was saved and nothing is left to wait for, ``unbroken.main`` exits at once."""
 
 
 class ConfigError(UnbrokenError, ValueError):

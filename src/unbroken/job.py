@@ -175,6 +175,7 @@ def run(
                 ledger=ledger,
                 env=env,
                 on_waiting=waiting,
+                stopping=_stop_requested,
             )
     except (Escalated, RankExcluded, ConfigError, Preempted, KeyboardInterrupt, SystemExit):
         if ledger is not None:
@@ -242,7 +243,7 @@ def main(
         sys.exit(EXIT_CONFIG)
     except Preempted as e:  # asked to stop, and the newest step is saved: not an error
         logger.warning("%s; exit code %d", e, e.exit_code)
-        if exit_fast:  # the save is committed and the ledger closed: nothing left to wait for
+        if exit_fast or e.unwound:  # the ledger closed, and nothing else to wait for
             sys.stdout.flush()
             sys.stderr.flush()
             os._exit(e.exit_code)
@@ -370,6 +371,10 @@ def _take_sigterm() -> bool:
         preempt.request()
         logger.warning("SIGTERM: saving the step every rank stops at, then exiting")
     return True
+
+
+def _stop_requested() -> bool:
+    return preempt.requested() is not None
 
 
 @contextlib.contextmanager

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from procs import one_rank, worker_env
+from unbroken.errors import Preempted
 from unbroken.ledger import Ledger, read_events
 from unbroken.restart import (
     Escalated,
@@ -81,6 +82,24 @@ def test_an_exception_restarts_fn_with_its_cause(store_addr: str, tmp_path: Path
     for expected in [("fault_detected", 0), ("restart_begin", 0), ("restart_end", 1)]:
         assert expected in kinds
     assert sum(1 for k in kinds if k == ("phase", 1)) == 1  # pg_init of the new iteration
+
+
+def test_a_stop_asked_for_during_a_fault_ends_run_instead_of_a_restart(store_addr: str) -> None:
+    """The launcher stopping its workers after another one died: the rank unwound from its
+    fault (its rescue ran in fn's unwinding) and must not wait for peers that are going too."""
+    calls = []
+
+    def fn(ctx: RestartContext) -> None:
+        calls.append(ctx.iteration)
+        raise RuntimeError("the peer is gone")
+
+    with pytest.raises(Preempted) as stopped:
+        run(fn, config=config(store_addr), env=ENV, stopping=lambda: True)
+    assert calls == [0] and stopped.value.unwound and not dist.is_initialized()
+    asked = []
+    with pytest.raises(Preempted):  # asked once fn failed, not before
+        run(fn, config=config(store_addr), env=ENV, stopping=lambda: asked.append(1) or True)
+    assert asked == [1]
 
 
 def test_a_python_hang_is_detected_and_interrupted(store_addr: str) -> None:

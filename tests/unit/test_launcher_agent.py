@@ -13,7 +13,7 @@ import pytest
 
 from unbroken.launcher import args as largs
 from unbroken.launcher import errors
-from unbroken.launcher.agent import Agent
+from unbroken.launcher.agent import RESCUE_GRACE_MIN_S, Agent
 from unbroken.launcher.config import LauncherConfig
 from unbroken.launcher.machine import State
 from unbroken.launcher.monitor import HeartbeatTracker
@@ -269,9 +269,9 @@ def test_worker_killed_then_restarted(tmp_path: Path) -> None:
         < kinds.index("restart_end")
     )
     assert ledger.of("restart_end")[0]["attempt"] == 1
-    # Adopted workers (they heartbeat) stopped for a restart get no SIGTERM grace: they would
-    # spend it on a preemption save that a restart does not need.
-    assert workers.log == [("start", 0), ("stop", 0.0), ("start", 1)]
+    # Adopted workers (they heartbeat) stopped after a worker died get the rescue grace (no
+    # step seen yet: its least), time to snapshot the step they noted, not a preemption save.
+    assert workers.log == [("start", 0), ("stop", RESCUE_GRACE_MIN_S), ("start", 1)]
     assert agent.machine.restarts == 1
 
 
@@ -298,7 +298,22 @@ def test_hung_workers_get_sigkill_before_the_group_is_stopped(tmp_path: Path) ->
     )
     assert detected["also_ranks"] == [0] and "stopped" in detected["message"]
     assert workers.log[1] == ("kill", (0, 1), signal.SIGKILL)
-    assert workers.log[2][0] == "stop"
+    assert workers.log[2] == ("stop", 0.0)  # after a hang no rescue grace: nobody unwinds
+
+
+def test_the_rescue_grace_is_two_of_the_slowest_steps_up_to_the_stop_grace(
+    tmp_path: Path,
+) -> None:
+    script = [[hbs(0), {"exits": [(1, None, signal.SIGKILL)]}], [hbs(0, round_=1), ok_exits()]]
+    agent, _, workers, _ = make(tmp_path, script, rounds=[info(0), info(1)])
+    agent.tracker.observed.steady_gap_max_s = 0.4
+    assert agent.run() == errors.EXIT_OK
+    assert workers.log[1] == ("stop", 0.8)
+    script = [[hbs(0), {"exits": [(1, None, signal.SIGKILL)]}], [hbs(0, round_=1), ok_exits()]]
+    agent, _, workers, _ = make(tmp_path / "slow", script, rounds=[info(0), info(1)])
+    agent.tracker.observed.steady_gap_max_s = 5.0
+    assert agent.run() == errors.EXIT_OK
+    assert workers.log[1] == ("stop", 1.5)  # --ft-stop-grace-s bounds it
 
 
 def test_budget_exhaustion_writes_the_error_file(tmp_path: Path) -> None:

@@ -28,6 +28,8 @@ ALLOWED = {
     "checkpoint/state/savecache.py": "a snapshot's values, pickled and unpickled in the trainer "
     "process (serialized off the training thread)",
     "checkpoint/layout.py": "done records, through an unpickler that builds only their types",
+    "checkpoint/staging/journal.py": "a noted step's values, through an unpickler that builds "
+    "only plain values, tensors and arrays",
 }
 
 

@@ -434,5 +434,8 @@ class Saves:
                     why,
                 )
             return False
+        journal, note, plan = self.staging.journal, self.notes.note, self.cache.plan
+        if journal is not None and note is not None and plan is not None:
+            journal.write(step, note.state, plan.objects.keys())
         self.blocked(t0, step, "note")
         return True

@@ -29,6 +29,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 
+from unbroken.errors import EXIT_PREEMPTED
 from unbroken.launcher import errors
 from unbroken.launcher import failures as failures_
 from unbroken.launcher.args import JobSpec
@@ -44,6 +45,9 @@ from unbroken.ledger import events as ev
 
 logger = logging.getLogger(__name__)
 
+
+RESCUE_GRACE_MIN_S = 0.25
+"""The least time survivors of a dead worker get to rescue their noted step before SIGKILL."""
 
 _JOB_WIDE = frozenset(
     {
@@ -370,17 +374,27 @@ class Agent:
 
         A preemption (this agent, or another node's, was signalled) or a script that never
         sent a heartbeat (not adopted: it may have a SIGTERM handler of its own) gets
-        ``stop_grace_s``. Adopted workers stopped for a restart get none: inside
-        ``unbroken.run`` a SIGTERM asks for a graceful preemption, a save every rank must
-        agree on, which a restart does not need (the newest snapshots live in this agent and
-        on the peers) and which cannot complete while a peer is gone; waiting for it only
-        delays the next round.
+        ``stop_grace_s``. Adopted workers stopped for a restart get no graceful preemption
+        (a save every rank must agree on, which cannot complete while a peer is gone); after
+        a worker died they get ``rescue_grace`` to rescue the step they noted: their next
+        collective fails at once, the fault's abort snapshots the step into the arena this
+        agent keeps, and the SIGTERM then ends them. After a hang they get none (their
+        collectives wait on the hung worker).
         """
         adopted = any(w.first is not None for w in self.tracker.workers.values())
         preemption = (StopReason.SIGNAL, StopReason.PREEMPTION)
         if adopted and self.machine.stop_reason not in preemption:
-            return 0.0
+            died = self.machine.failures and all(
+                f.detector == "exit" for f in self.machine.failures
+            )
+            return self._rescue_grace() if died and self.workers.running() else 0.0
         return self.cfg.stop_grace_s
+
+    def _rescue_grace(self) -> float:
+        """Two of the slowest steps seen (at least ``RESCUE_GRACE_MIN_S``), at most
+        ``stop_grace_s``: a survivor reaches its failing collective within a step."""
+        step_s = self.tracker.observed.steady_gap_max_s
+        return min(self.cfg.stop_grace_s, max(RESCUE_GRACE_MIN_S, 2 * step_s))
 
     def _stop(self) -> None:
         if self.machine.stop_reason is not None and not self._stop_begin:
@@ -392,7 +406,7 @@ class Agent:
             [
                 failures_.from_exit(x, round_=self.round)
                 for x in exits
-                if not x.ok and x.signum not in ours
+                if not x.ok and x.signum not in ours and x.exit_code != EXIT_PREEMPTED
             ]
         )
         self._interval(self._stop_begin, name="stop", round=self.round, workers=len(exits))

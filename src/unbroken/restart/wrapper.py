@@ -81,6 +81,7 @@ def run(
     ledger: Recorder | None = None,
     env: WorkerEnv | None = None,
     on_waiting: Callable[[str], None] | None = None,
+    stopping: Callable[[], bool] | None = None,
 ) -> T:
     """Call ``fn(ctx)`` on every rank until it returns everywhere.
 
@@ -97,12 +98,17 @@ def run(
         on_waiting: Called with the watchdog's reason while it waits for this rank because
             its network is slow, not hung (``unbroken.run`` passes
             ``unbroken.launcher.client.waiting``, so the node agent waits too).
+        stopping: Asked after a failed iteration, before the restart: True ends ``run`` on
+            this rank with ``Preempted`` (``unbroken.run`` passes whether a SIGTERM asked it to
+            stop: the launcher stopping the workers to restart them, after the failed
+            iteration's rescue; a restart would only wait for peers that are going too).
 
     Returns:
         What ``fn`` returned.
 
     Raises:
         Escalated: When the job cannot go on in-process (exit with ``EXIT_ESCALATE``).
+        Preempted: When ``stopping`` said so after a fault.
         RankExcluded: On a rank that left the job (exit with ``EXIT_EXCLUDED``).
         ValueError: When a default process group already exists.
     """
@@ -131,7 +137,13 @@ def run(
         gc.freeze()
     try:
         runner = _Runner(
-            fn, config=config, ledger=recorder, env=env, gc_frozen=frozen, on_waiting=on_waiting
+            fn,
+            config=config,
+            ledger=recorder,
+            env=env,
+            gc_frozen=frozen,
+            on_waiting=on_waiting,
+            stopping=stopping,
         )
         try:
             return runner.loop()
@@ -154,8 +166,10 @@ class _Runner:
         env: WorkerEnv,
         gc_frozen: bool,
         on_waiting: Callable[[str], None] | None = None,
+        stopping: Callable[[], bool] | None = None,
     ) -> None:
         self.fn = fn
+        self.stopping = stopping
         self.config = config
         self.ledger = ledger
         self.env = env
@@ -211,6 +225,11 @@ class _Runner:
             rank = self.members.index(self.member)
             self.ledger.set_context(rank=rank, iteration=iteration)
             record, value, begun = self._iterate(iteration, rank, cause, restart_t0)
+            if record.kind != assign.OK and self.stopping is not None and self.stopping():
+                pg.teardown(self.reaper, abort=True)
+                stop = Preempted(f"asked to stop while recovering from {record.kind}")
+                stop.unwound = True
+                raise stop
             t_agree = time.time()
             decision = self._agree(iteration, record)
             if decision.status == assign.STATUS_OK:

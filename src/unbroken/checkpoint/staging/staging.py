@@ -27,7 +27,7 @@ from typing import Any, Protocol
 
 import torch
 
-from unbroken.checkpoint.staging import memory, ring_format
+from unbroken.checkpoint.staging import journal, memory, ring_format
 from unbroken.checkpoint.staging.arena import Arena, Slot, copy_tensors, plan_slots
 
 logger = logging.getLogger(__name__)
@@ -90,6 +90,10 @@ class Staging:
             self.ring, held = memory.read(arena)
             self.sealed = {s.region: s.seq for s in held}
         self.seq = max(self.sealed.values(), default=0) + 1
+        self.journal: journal.Journal | None = None
+        """Where each note's per-rank values go, for a restore after a SIGKILL (``journal``)."""
+        self.journaled: journal.Entry | None = None
+        """What the previous process of this rank journaled last."""
         self._spare: set[int] = set(range(1, regions)) if arena is not None else set()
         """Lean: the regions but 0 that may hold memory (written since given back)."""
         self._replaces = False
@@ -382,6 +386,9 @@ class Staging:
         """Free the arena (after ``stop``; the writer has unmapped it or is gone)."""
         self._regions.clear()
         self.arena.close()
+        if self.journal is not None:
+            self.journal.close()
+            self.journal = None
 
 
 def fill(held: memory.Snapshot, payloads: list[Any]) -> None:

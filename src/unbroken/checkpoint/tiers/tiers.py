@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import threading
 import time
 import weakref
@@ -37,11 +38,11 @@ import torch.distributed as dist
 
 from unbroken.checkpoint import layout
 from unbroken.checkpoint.config import CheckpointConfig
-from unbroken.checkpoint.staging import memory, ring_format
+from unbroken.checkpoint.staging import journal, memory, ring_format
 from unbroken.checkpoint.staging.arena import Arena
 from unbroken.checkpoint.staging.staging import Staging
 from unbroken.checkpoint.state import freshopt
-from unbroken.checkpoint.tiers import keeper, peers
+from unbroken.checkpoint.tiers import catchup, keeper, peers
 from unbroken.ledger import Recorder
 from unbroken.ledger import events as ev
 
@@ -101,7 +102,25 @@ def staging_for(
         on_arena=functools.partial(hand_over, addr, root, rank) if addr else None,
         on_sealed=replicator.offer if replicator else None,
     )
+    if addr and config.rescue:
+        staging.journaled, staging.journal = _journal(addr, root, rank)
     return staging, origin, replicator
+
+
+def _journal(addr: str, root: Path, rank: int) -> tuple[journal.Entry | None, journal.Journal]:
+    """What the last process of this rank journaled (None: nothing), and a new journal the
+    keeper holds from now on."""
+    key = f"{root}#journal{rank}"
+    entry = None
+    fd = keeper.get(addr, key)
+    if fd is not None:
+        try:
+            entry = journal.read(fd)
+        finally:
+            os.close(fd)
+    new = journal.Journal()
+    keeper.put(addr, key, new.fd)
+    return entry, new
 
 
 def _held_nearby(addr: str, root: Path, rank: int) -> list[set[int]]:
@@ -378,13 +397,21 @@ def _newest(
         else:
             pending.apply(loaded=loaded)
         timings["copy_s"] = time.perf_counter() - t4
-        staging.retain(snaps[step].region)
-        if rank == 0:  # what the killed writers left, as a disk restore does
-            layout.sweep_incomplete(root)
         why = "the newest step every rank holds" + (", checksums verified" if verify else "")
         if reasons:
             why += f" (newer ones rejected: {' | '.join(reasons)})"
-        return step, held, why
+        caught = None
+        if world_size > 1:  # before ``retain`` forgets the newer steps
+            t5 = time.perf_counter()
+            caught = catchup.catch_up(
+                state, arena, step, rank=rank, world_size=world_size,
+                entry=staging.journaled, verify=verify, untrusted=untrusted,
+            )  # fmt: skip
+            timings["catch_up_s"] = time.perf_counter() - t5
+        staging.retain(snaps[step].region)  # the step every rank holds, also after a catch-up
+        if rank == 0:  # what the killed writers left, as a disk restore does
+            layout.sweep_incomplete(root)
+        return (step, held, why) if caught is None else (caught[0], held, caught[1])
     return None, held, " | ".join(reasons)
 
 
