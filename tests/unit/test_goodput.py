@@ -619,6 +619,21 @@ def test_peer_detections_inside_an_outage_belong_to_it():
     assert second.fault_ts == 12.5 and second.downtime_s == approx(0.5)
 
 
+def test_a_killed_ranks_own_detection_names_the_cause_when_a_peer_saw_it_first():
+    # Rank 1 is SIGKILLed; rank 0's collective fails a moment before its agent reaps rank 1.
+    events = [
+        *steps(0, 4, 0.0),  # [0, 5]
+        ev(FAULT_INJECTED, 5.0, rank=1, fault="sigkill", step=4, index=0),
+        ev(FAULT_DETECTED, 5.01, rank=0, cause="exception", detector="exception", fault_rank=0),
+        ev(FAULT_DETECTED, 5.02, rank=-1, cause="sigkill", detector="exit", fault_rank=1),
+        ev(FAULT_DETECTED, 5.03, rank=0, cause="exception", detector="exception", fault_rank=0),
+        *steps(5, 9, 6.0, attempt=1),
+    ]
+    (fault,) = compute(events).faults
+    assert (fault.cause, fault.detector) == ("sigkill", "exit")
+    assert fault.detection_s == approx(0.01)  # the first sign of it still times detection
+
+
 def test_the_launchers_phases_before_the_first_step_are_startup():
     """The agent starts 2 s before its workers (interpreter, warm pool, rendezvous); its
     phases up to the first step are start-up, a later one (a restart's launch) is not."""

@@ -127,6 +127,8 @@ class OpenFault:
     rounds: set[tuple[Any, ...]] = field(default_factory=set)
     """Restart rounds that acted on it: (layer, round) or (layer, attempt, iteration)."""
     window_s: float | None = None
+    detected_rank: int | None = None
+    """The rank the recorded detection blamed."""
 
     def current_threshold(self) -> float:
         parts = [self.fault_ts]
@@ -343,7 +345,18 @@ def walk_faults(ordered: list[Event], ref: int) -> list[OpenFault]:
             target = next((f for f in open_ if f.detection_ts is None and f.fault_ts <= ts), None)
             if target is None and any(f.fault_ts <= ts for f in open_):
                 # A further detection inside an outage already detected (a peer's collective
-                # failing after the faulty rank raised) belongs to that outage.
+                # failing after the faulty rank raised) belongs to that outage. The one that
+                # blames the fault's own rank names its cause, also when a peer's failing
+                # collective was seen first (a killed rank's peer raises as its agent reaps it).
+                first = next(f for f in open_ if f.fault_ts <= ts)
+                blamed = e.get("fault_rank")
+                if first.injected and blamed == first.rank != first.detected_rank:
+                    first.cause, first.detector = (
+                        opt_str(e.get("cause")),
+                        opt_str(e.get("detector")),
+                    )
+                    first.detected_rank = first.rank
+                    first.layer = _outer(first.layer, e.get("layer"))
                 continue
             if target is None:
                 fault_rank = e.get("fault_rank")
@@ -360,6 +373,8 @@ def walk_faults(ordered: list[Event], ref: int) -> list[OpenFault]:
             target.detection_ts = ts
             target.cause = opt_str(e.get("cause"))
             target.detector = opt_str(e.get("detector"))
+            blamed = e.get("fault_rank")
+            target.detected_rank = e.rank if blamed is None else int(blamed)
             target.layer = _outer(target.layer, e.get("layer"))
         elif kind in (RESTART_BEGIN, RESTART_END):
             for f in open_:
