@@ -113,3 +113,23 @@ def test_a_planted_journal_runs_no_code(tmp_path: Path, monkeypatch: pytest.Monk
     finally:
         j.close()
     assert not (tmp_path / "PWNED").exists()
+
+
+def test_tensors_of_any_dtype_and_shape_come_back_exactly() -> None:
+    values = {
+        "scalar": torch.tensor(1.5),
+        "half": torch.arange(6, dtype=torch.bfloat16).reshape(2, 3),
+        "flags": torch.tensor([True, False]),
+        "strided": torch.arange(12.0).reshape(3, 4).t(),
+        "empty": torch.zeros(0, 3),
+    }
+    j = journal.Journal()
+    try:
+        assert j.write(0, values, set()), j.refused
+        entry = journal.read(j.fd)
+    finally:
+        j.close()
+    assert entry is not None
+    for key, want in values.items():
+        kind, got = entry.values[key]
+        assert kind == "tensor" and got.dtype == want.dtype and torch.equal(got, want), key

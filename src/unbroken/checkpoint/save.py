@@ -86,6 +86,7 @@ class Saves:
         self.cache = ResolveCache()
         self.notes = Notes()
         self._told_refused = ""
+        self._told_j = False
         self.extras = StateExtras(config)  # the generators; the state for the digest
         self.last_step: int | None = None
         """The step staged (or restored) last."""
@@ -436,6 +437,8 @@ class Saves:
             return False
         journal, note, plan = self.staging.journal, self.notes.note, self.cache.plan
         if journal is not None and note is not None and plan is not None:
-            journal.write(step, note.state, plan.objects.keys())
+            if not journal.write(step, note.state, plan.objects.keys()) and not self._told_j:
+                self._told_j = True
+                logger.info("rank %d: noted steps not journaled: %s", self.rank, journal.refused)
         self.blocked(t0, step, "note")
         return True

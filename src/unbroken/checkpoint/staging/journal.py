@@ -56,8 +56,8 @@ def _array(raw: bytes, dtype: str, shape: tuple[int, ...]) -> np.ndarray:
 class _Pickler(pickle.Pickler):
     def reducer_override(self, obj: Any) -> Any:
         if type(obj) is torch.Tensor and obj.device.type == "cpu" and not obj.is_sparse:
-            t = obj.detach().contiguous()
-            raw = t.view(torch.uint8).numpy().tobytes() if t.numel() else b""
+            t = obj.detach()
+            raw = t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
             return _tensor, (raw, t.dtype, tuple(t.shape))
         if type(obj) is np.ndarray and obj.dtype.hasobject is False:
             return _array, (obj.tobytes(), obj.dtype.str, obj.shape)
@@ -129,8 +129,8 @@ class Journal:
         try:
             buf = io.BytesIO()
             _Pickler(buf, protocol=pickle.HIGHEST_PROTOCOL).dump(encode(state, skip))
-        except (TypeError, pickle.PicklingError, AttributeError) as e:
-            self.refused = f"a value cannot be journaled ({e})"
+        except Exception as e:  # noqa: BLE001 - a value it cannot hold costs the catch-up only
+            self.refused = f"a value cannot be journaled ({type(e).__name__}: {e})"
             return False
         payload = buf.getbuffer()
         if len(payload) > CAPACITY:
