@@ -369,7 +369,7 @@ def _take_sigterm() -> bool:
         return False
     if preempt.requested() is None:
         preempt.request()
-        logger.warning("SIGTERM: saving the step every rank stops at, then exiting")
+        logger.warning("SIGTERM: stopping (while training: at a step every rank saves first)")
     return True
 
 

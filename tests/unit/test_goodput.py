@@ -634,6 +634,24 @@ def test_a_killed_ranks_own_detection_names_the_cause_when_a_peer_saw_it_first()
     assert fault.detection_s == approx(0.01)  # the first sign of it still times detection
 
 
+def test_an_in_process_restart_the_launcher_stopped_is_no_failed_restart():
+    # Rank 1 is SIGKILLed; rank 0 begins an in-process restart, then the agent stops it (the
+    # rescue grace) and restarts both: one round acted on the fault, and it brought it back.
+    events = [
+        *steps(0, 4, 0.0),  # [0, 5]
+        ev(FAULT_INJECTED, 5.0, rank=1, fault="sigkill", step=4, index=0),
+        ev(FAULT_DETECTED, 5.01, rank=-1, cause="sigkill", detector="exit", fault_rank=1),
+        ev(RESTART_BEGIN, 5.02, rank=-1, layer="launcher", cause="sigkill", round=0),
+        ev(RESTART_BEGIN, 5.03, rank=0, layer="inprocess", cause="exception"),
+        ev(RESTART_END, 5.04, rank=0, layer="inprocess", status="stopped"),
+        ev(RESTART_END, 5.3, rank=-1, attempt=1, layer="launcher", round=1),
+        *steps(5, 9, 6.0, attempt=1),
+    ]
+    (fault,) = compute(events).faults
+    assert fault.layer == "launcher" and fault.restarts == 1
+    assert [g.failed_restarts for g in compute(events).by_class.values()] == [0]
+
+
 def test_the_launchers_phases_before_the_first_step_are_startup():
     """The agent starts 2 s before its workers (interpreter, warm pool, rendezvous); its
     phases up to the first step are start-up, a later one (a restart's launch) is not."""

@@ -376,6 +376,11 @@ def walk_faults(ordered: list[Event], ref: int) -> list[OpenFault]:
             blamed = e.get("fault_rank")
             target.detected_rank = e.rank if blamed is None else int(blamed)
             target.layer = _outer(target.layer, e.get("layer"))
+        elif kind == RESTART_END and e.get("status") == "stopped":
+            # A rank's in-process restart given up for the launcher's (it was stopped): that
+            # round did not act on the fault.
+            for f in open_:
+                f.rounds.discard(restart_round(e))
         elif kind in (RESTART_BEGIN, RESTART_END):
             for f in open_:
                 f.layer = _outer(f.layer, e.get("layer"))

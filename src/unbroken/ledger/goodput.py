@@ -40,7 +40,9 @@ Faults (one walk over the events in order)
     * ``restart_begin``/``restart_end`` give ``layer`` to every open fault. A fault's layer,
       the one that recovered it, is the outermost that acted on it (inprocess < launcher <
       orchestrator: an in-process restart that gave up, as on a hang in native code, ends as
-      the launcher's); ``restart_end`` also records its ``ts`` on every open fault.
+      the launcher's); ``restart_end`` also records its ``ts`` on every open fault. A
+      ``restart_end`` of status "stopped" (a rank's in-process restart given up because the
+      launcher stopped it to restart it) takes its round back from every open fault instead.
     * A fault's threshold is max(fault time, detection ts, last attached ``restart_end`` ts).
       A reference-rank ``step`` record whose ``begin`` >= the threshold *resumes* (and closes)
       every open fault it satisfies: ``resume_ts`` = that ``begin``. The walk meets a step

@@ -227,6 +227,8 @@ class _Runner:
             record, value, begun = self._iterate(iteration, rank, cause, restart_t0)
             if record.kind != assign.OK and self.stopping is not None and self.stopping():
                 pg.teardown(self.reaper, abort=True)
+                # The launcher stops this worker to restart it: not a restart that failed.
+                self.ledger.emit(ev.RESTART_END, layer="inprocess", status="stopped")
                 stop = Preempted(f"asked to stop while recovering from {record.kind}")
                 stop.unwound = True
                 raise stop
