@@ -437,7 +437,8 @@ class Saves:
             return False
         journal, note, plan = self.staging.journal, self.notes.note, self.cache.plan
         if journal is not None and note is not None and plan is not None:
-            if not journal.write(step, note.state, plan.objects.keys()) and not self._told_j:
+            written = journal.write(step, note.state, plan.objects.keys())
+            if not written and not self._told_j:
                 self._told_j = True
                 logger.info("rank %d: noted steps not journaled: %s", self.rank, journal.refused)
         self.blocked(t0, step, "note")
