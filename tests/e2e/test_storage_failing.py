@@ -95,7 +95,10 @@ def test_a_stalled_save_is_failed_its_writer_replaced_and_training_goes_on(
     reference: str, tmp_path: Path
 ) -> None:
     plan = tmp_path / "plan.yaml"
-    plan.write_text("faults:\n  - {step: 5, rank: 0, kind: storage-fail, error: stall}\n")
+    # One rank's writer stalls one save: the save in flight when the plan fires, or the next.
+    plan.write_text(
+        "faults:\n  - {step: 5, rank: 0, kind: storage-fail, error: stall, ranks: [0]}\n"
+    )
     # 2 s: a first save (its writer's start included) or a commit on a busy machine must not
     # pass for a stalled one (1 s did: "not committed by rank 0"); only the stalled save fails.
     cmd = _cmd(tmp_path, "--faults", str(plan), "--ckpt-persist-timeout-s", "2")
@@ -103,8 +106,13 @@ def test_a_stalled_save_is_failed_its_writer_replaced_and_training_goes_on(
     events = read_events(tmp_path)
     _no_restart(events)
     fails = [e for e in events if e.kind == "ckpt_fail"]
-    assert {e.rank for e in fails} == {0, 1}, fails
-    assert all("not durable after 2.0 s" in e.get("error") for e in fails), fails
+    stalled = [e.rank for e in fails if "not durable after 2.0 s" in e.get("error")]
+    assert stalled == [0], fails
+    # Any other failure is of that save, on a rank that waited for the stalled part.
+    assert all(
+        "not durable after 2.0 s" in e.get("error") or "did not finish writing" in e.get("error")
+        for e in fails
+    ), fails
     (injected,) = [e for e in events if e.kind == "fault_injected"]
     commits = [e.get("step") for e in events if e.kind == "ckpt_commit" and e.ts > injected.ts]
     failed = max(e.get("step") for e in fails)
