@@ -24,7 +24,7 @@ from unbroken.launcher.keeper import MemoryKeeper
 
 WORKER = textwrap.dedent(
     """
-    import copy, json, os, sys
+    import copy, hashlib, json, os, sys
     from datetime import timedelta
     from pathlib import Path
     import torch
@@ -43,6 +43,13 @@ WORKER = textwrap.dedent(
     state = {"model": model, "optim": optim}
     tokens = torch.randint(0, 512, (2, 17), generator=torch.Generator().manual_seed(0))
     torch.manual_seed(100 + env.rank)  # each rank's own generator
+
+    def digest(m):  # the weights, bit for bit
+        h = hashlib.sha256()
+        for k, v in sorted(m.state_dict().items()):
+            h.update(k.encode() + v.detach().numpy().tobytes())
+        return h.hexdigest()
+
     mine = out.with_suffix(f".{env.rank}.json")
     if life == "1":
         ck = Checkpointer(root, snapshot_every=3, memory_keeper=keeper, run="catch")
@@ -52,10 +59,9 @@ WORKER = textwrap.dedent(
             optim.zero_grad()
             torch.rand(1)  # the generator moves every step
             ck.maybe_save(step, state)
-        sd = model.state_dict()
         mine.write_text(json.dumps({
             "next": torch.rand(1).item(),  # what the generator gives after step 4
-            "weights": {k: v.sum().item() for k, v in sd.items()},
+            "weights": digest(model),
         }))
         if env.rank == 1:
             os._exit(0)  # killed: step 4 lives in its journal only
@@ -68,11 +74,10 @@ WORKER = textwrap.dedent(
         nxt = torch.rand(1).item()
     led.close()
     [load] = [e for e in read_events(out.parent / f"run{env.rank}") if e.kind == "ckpt_load"]
-    sd = model.state_dict()
     mine.with_suffix(".after.json").write_text(json.dumps({
         "step": restored, "memory": load.get("memory"), "why": load.get("why"),
         "generator": nxt == before["next"],
-        "weights": {k: v.sum().item() for k, v in sd.items()} == before["weights"],
+        "weights": digest(model) == before["weights"],
     }))
     """
 )

@@ -53,7 +53,7 @@ def test_a_note_s_values_come_back_in_another_process_s_state() -> None:
     finally:
         j.close()
     assert entry is not None and entry.step == 12
-    assert set(entry.values) == {"data", "scale", RNG_KEY} and entry.per_rank == {RNG_KEY}
+    assert set(entry.values) == {"data", "scale", RNG_KEY}
     live = {"model": model, "data": Cursor(0), "scale": torch.zeros(2), RNG_KEY: noted[RNG_KEY]}
     assert journal.can_apply(entry, live) is None
     journal.apply(entry, live)
@@ -82,10 +82,13 @@ def test_a_torn_write_leaves_the_entry_before_it() -> None:
 def test_values_that_cannot_be_set_in_place_or_held_are_refused() -> None:
     j = journal.Journal()
     try:
-        assert j.write(1, {"epoch": 3}, set())
+        assert not j.write(1, {"epoch": 3}, set())
+        assert "plain value" in j.refused
+        assert journal.read(j.fd) is None  # nothing written
+        assert j.write(2, {"w": torch.ones(3)}, set())
         entry = journal.read(j.fd)
         assert entry is not None
-        assert "plain value" in (journal.can_apply(entry, {"epoch": 3}) or "")
+        assert "does not fit" in (journal.can_apply(entry, {"w": torch.ones(4)}) or "")
         assert not j.write(2, {"blob": torch.zeros(journal.CAPACITY // 4 + 1)}, set())
         assert "bytes >" in j.refused
         assert not j.write(3, {"f": lambda: 0}, set())
@@ -103,7 +106,7 @@ def test_a_planted_journal_runs_no_code(tmp_path: Path, monkeypatch: pytest.Monk
     monkeypatch.chdir(tmp_path)
     j = journal.Journal()
     try:
-        payload = pickle.dumps({"values": {"x": ("value", _Boom())}, "per_rank": []})
+        payload = pickle.dumps({"x": ("stateful", _Boom())})
         head = journal._HEAD.pack(
             journal._MAGIC, 9, len(payload), xxhash.xxh3_64_intdigest(payload), 1
         )

@@ -167,7 +167,7 @@ class Checkpointer:
         # Before the writer and the arena exist: nothing of another job's is touched.
         self._claim = owner.claim(self.root, job=job, takeover=True)
         staging, self._adopted_from, self._replica = tiers.staging_for(
-            self.root, self.config, rank=self.rank
+            self.root, self.config, rank=self.rank, world_size=self.world_size
         )
         self._adopted = staging.arena if self._adopted_from else None
         self._saves = Saves(

@@ -384,9 +384,8 @@ class Agent:
         adopted = any(w.first is not None for w in self.tracker.workers.values())
         preemption = (StopReason.SIGNAL, StopReason.PREEMPTION)
         if adopted and self.machine.stop_reason not in preemption:
-            died = self.machine.failures and all(
-                f.detector == "exit" for f in self.machine.failures
-            )
+            failures = self.machine.failures
+            died = bool(failures) and all(f.detector == "exit" for f in failures)
             return self._rescue_grace() if died and self.workers.running() else 0.0
         return self.cfg.stop_grace_s
 

@@ -351,10 +351,8 @@ def walk_faults(ordered: list[Event], ref: int) -> list[OpenFault]:
                 first = next(f for f in open_ if f.fault_ts <= ts)
                 blamed = e.get("fault_rank")
                 if first.injected and blamed == first.rank != first.detected_rank:
-                    first.cause, first.detector = (
-                        opt_str(e.get("cause")),
-                        opt_str(e.get("detector")),
-                    )
+                    first.cause = opt_str(e.get("cause"))
+                    first.detector = opt_str(e.get("detector"))
                     first.detected_rank = first.rank
                     first.layer = _outer(first.layer, e.get("layer"))
                 continue

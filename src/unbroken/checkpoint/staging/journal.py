@@ -59,7 +59,7 @@ class _Pickler(pickle.Pickler):
             t = obj.detach()
             raw = t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
             return _tensor, (raw, t.dtype, tuple(t.shape))
-        if type(obj) is np.ndarray and obj.dtype.hasobject is False:
+        if type(obj) is np.ndarray and not obj.dtype.hasobject:
             return _array, (obj.tobytes(), obj.dtype.str, obj.shape)
         return NotImplemented
 
@@ -84,32 +84,30 @@ class _Unpickler(pickle.Unpickler):
 
 @dataclass(frozen=True)
 class Entry:
-    """A noted step's values: key -> (kind, value), kind "stateful" (its state dict),
-    "tensor" or "value"; ``per_rank``: the keys wrapped in ``PerRank``."""
+    """A noted step's values: key -> (kind, value), kind "stateful" (its state dict) or
+    "tensor"."""
 
     step: int
     values: dict[str, tuple[str, Any]]
-    per_rank: frozenset[str]
 
 
-def encode(state: Mapping[str, Any], skip: Collection[str]) -> dict[str, Any]:
-    """The values of a note's frozen ``state`` other than ``skip`` (the model and optimizers),
-    as plain data; raises TypeError for a value it cannot hold."""
+def encode(state: Mapping[str, Any], skip: Collection[str]) -> dict[str, tuple[str, Any]]:
+    """The values of a note's frozen ``state`` other than ``skip`` (the model and optimizers).
+
+    Raises:
+        TypeError: For a plain value (a number, a dict): a restore cannot set it in place."""
     values: dict[str, tuple[str, Any]] = {}
-    per_rank = []
     for key, value in state.items():
         if key in skip:
             continue
-        if isinstance(value, PerRank):
-            per_rank.append(key)
-            value = value.obj
+        value = value.obj if isinstance(value, PerRank) else value
         if is_stateful(value):
             values[key] = ("stateful", value.state_dict())
         elif isinstance(value, torch.Tensor):
             values[key] = ("tensor", value)
         else:
-            values[key] = ("value", value)
-    return {"values": values, "per_rank": per_rank}
+            raise TypeError(f"{key!r} is a plain value, which a restore cannot set in place")
+    return values
 
 
 class Journal:
@@ -173,7 +171,7 @@ def read(fd: int) -> Entry | None:
     except Exception as e:  # whole by its digest: another version wrote it
         logger.warning("journal unreadable: %s", e)
         return None
-    return Entry(step=best[1], values=raw["values"], per_rank=frozenset(raw["per_rank"]))
+    return Entry(step=best[1], values=raw)
 
 
 def apply(entry: Entry, state: Mapping[str, Any]) -> None:
@@ -189,15 +187,12 @@ def apply(entry: Entry, state: Mapping[str, Any]) -> None:
 
 
 def can_apply(entry: Entry, state: Mapping[str, Any]) -> str | None:
-    """None when ``apply`` can load ``entry`` into ``state``, else why not (a plain value
-    cannot be set in place: the restore of a snapshot does that)."""
+    """None when ``apply`` can load ``entry`` into ``state``, else why not."""
     for key, (kind, value) in entry.values.items():
         if key not in state:
             return f"the state has no {key!r}"
         live = state[key]
         live = live.obj if isinstance(live, PerRank) else live
-        if kind == "value":
-            return f"{key!r} is a plain value"
         if kind == "stateful" and not is_stateful(live):
             return f"{key!r} is no longer a Stateful"
         if kind == "tensor" and (not isinstance(live, torch.Tensor) or live.shape != value.shape):

@@ -56,15 +56,15 @@ def _fingerprint(snap: memory.Snapshot | None, objects: list[str]) -> int | None
 class _Hole:
     """Where the ``index``-th tensor of a state dict goes (its skeleton travels pickled)."""
 
-    def __init__(self, index: int, shape: tuple[int, ...], dtype: torch.dtype, device: str):
-        self.index, self.shape, self.dtype, self.device = index, shape, dtype, device
+    def __init__(self, index: int) -> None:
+        self.index = index
 
 
 def _carve(obj: Any, tensors: list[torch.Tensor]) -> Any:
     """``obj`` with each tensor replaced by a ``_Hole`` (appended to ``tensors``)."""
     if isinstance(obj, torch.Tensor):
         tensors.append(obj.detach().contiguous())
-        return _Hole(len(tensors) - 1, tuple(obj.shape), obj.dtype, obj.device.type)
+        return _Hole(len(tensors) - 1)
     if isinstance(obj, dict):
         return {k: _carve(v, tensors) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
@@ -82,35 +82,27 @@ def _fill(obj: Any, tensors: list[torch.Tensor]) -> Any:
     return obj
 
 
-def _holes(obj: Any) -> list[_Hole]:
-    if isinstance(obj, _Hole):
-        return [obj]
-    if isinstance(obj, dict):
-        return [h for v in obj.values() for h in _holes(v)]
-    if isinstance(obj, (list, tuple)):
-        return [h for v in obj for h in _holes(v)]
-    return []
+def _empty(shape: tuple[int, ...], dtype: torch.dtype, device: str) -> torch.Tensor:
+    where = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else device
+    return torch.empty(shape, dtype=dtype, device=where)
 
 
 def _broadcast(state: Mapping[str, Any], objects: list[str], src: int, holder: bool) -> None:
     """The state dicts of ``objects`` from rank ``src``, loaded on the ranks not ``holder``."""
     for key in objects:
         tensors: list[torch.Tensor] = []
-        box: list[Any] = [_carve(state[key].state_dict(), tensors) if holder else None]
+        box: list[Any] = [None]
+        if holder:
+            skeleton = _carve(state[key].state_dict(), tensors)
+            box = [(skeleton, [(tuple(t.shape), t.dtype, t.device.type) for t in tensors])]
         dist.broadcast_object_list(box, src=src)
+        skeleton, metas = box[0]
         if not holder:
-            for hole in sorted(_holes(box[0]), key=lambda h: h.index):
-                device = hole.device
-                where = (
-                    torch.device("cuda", torch.cuda.current_device())
-                    if device == "cuda"
-                    else device
-                )
-                tensors.append(torch.empty(hole.shape, dtype=hole.dtype, device=where))
+            tensors = [_empty(*meta) for meta in metas]
         for t in tensors:
             dist.broadcast(t, src=src)
         if not holder:
-            state[key].load_state_dict(_fill(box[0], tensors))
+            state[key].load_state_dict(_fill(skeleton, tensors))
 
 
 def catch_up(

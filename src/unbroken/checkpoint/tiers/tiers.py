@@ -83,11 +83,11 @@ def adopt(root: Path, config: CheckpointConfig, *, rank: int) -> tuple[Arena | N
 
 
 def staging_for(
-    root: Path, config: CheckpointConfig, *, rank: int
+    root: Path, config: CheckpointConfig, *, rank: int, world_size: int
 ) -> tuple[Staging, str | None, peers.Replicator | None]:
-    """A Checkpointer's staging (on the adopted arena, if any), where that arena came from,
-    and, in a multi-node job, the replicator that sends each sealed snapshot to the next
-    node's service."""
+    """A Checkpointer's staging (on the adopted arena, if any; with the journal the keeper
+    holds, when it has peers: ``journal``), where that arena came from, and, in a multi-node
+    job, the replicator that sends each sealed snapshot to the next node's service."""
     arena, origin = adopt(root, config, rank=rank)
     replicator = None
     if config.memory_tier and len(config.peers) >= 2:
@@ -102,7 +102,7 @@ def staging_for(
         on_arena=functools.partial(hand_over, addr, root, rank) if addr else None,
         on_sealed=replicator.offer if replicator else None,
     )
-    if addr and config.rescue:
+    if addr and config.rescue and world_size > 1:  # the catch-up's, which needs peers
         staging.journaled, staging.journal = _journal(addr, root, rank)
     return staging, origin, replicator
 
