@@ -136,3 +136,58 @@ def test_tensors_of_any_dtype_and_shape_come_back_exactly() -> None:
     for key, want in values.items():
         kind, got = entry.values[key]
         assert kind == "tensor" and got.dtype == want.dtype and torch.equal(got, want), key
+
+
+class _Shared:
+    """A Stateful whose state dict is the same object while unchanged (as notes' generators)."""
+
+    def __init__(self, sd: dict[str, object]) -> None:
+        self.sd = sd
+
+    def state_dict(self) -> dict[str, object]:
+        return self.sd
+
+    def load_state_dict(self, sd: dict[str, object]) -> None:
+        self.sd = sd
+
+
+def test_an_unchanged_value_rewrites_the_header_and_the_next_change_the_other_half() -> None:
+    words = tuple(range(625))
+    same = _Shared({"t": torch.arange(4), "words": words, "inner": {"k": torch.ones(2)}})
+    j = journal.Journal()
+    try:
+        assert j.write(5, {"g": same}, set())
+        half = j._last[1]
+        assert j.write(6, {"g": same}, set())  # the same objects: header only, same half
+        assert j._last[1] == half
+        entry = journal.read(j.fd)
+        assert entry is not None and entry.step == 6
+        got = entry.values["g"][1]
+        assert torch.equal(got["t"], torch.arange(4)) and got["words"] == words
+        assert torch.equal(got["inner"]["k"], torch.ones(2))
+        # A new dict sharing the unchanged parts: the other half, whole even if 7 is torn.
+        changed = _Shared({**same.sd, "t": torch.arange(4) * 2})
+        assert j.write(7, {"g": changed}, set())
+        assert j._last[1] != half
+        entry = journal.read(j.fd)
+        assert entry is not None and entry.step == 7
+        assert torch.equal(entry.values["g"][1]["t"], torch.arange(4) * 2)
+        assert entry.values["g"][1]["words"] == words
+        with open(f"/proc/self/fd/{j.fd}", "r+b") as f:
+            f.seek(j._last[1] + journal._HEAD.size + 5)
+            f.write(b"\xff\xff")
+        entry = journal.read(j.fd)
+        assert entry is not None and entry.step == 6
+    finally:
+        j.close()
+
+
+def test_values_equal_but_of_other_types_are_written_as_they_are() -> None:
+    j = journal.Journal()
+    try:
+        assert j.write(1, {"c": Cursor(1)}, set())
+        assert j.write(2, {"c": Cursor(1.0)}, set())  # 1 == 1.0: pickled again all the same
+        entry = journal.read(j.fd)
+    finally:
+        j.close()
+    assert entry is not None and type(entry.values["c"][1]["pos"]) is float

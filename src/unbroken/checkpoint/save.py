@@ -110,14 +110,15 @@ class Saves:
             raise CheckpointError("this Checkpointer is closed")
         self.inflight.poll()
 
-    def blocked(self, t0: float, step: int | None, part: str) -> float:
-        """Record ``[t0, now]`` as the trainer blocked by ``part`` of a save.
+    def blocked(self, t0: float, step: int | None, part: str, *, lazy: bool = False) -> float:
+        """Record ``[t0, now]`` as the trainer blocked by ``part`` of a save (``lazy``: as
+        ``Recorder.interval`` takes it).
 
         Returns:
             now."""
         end = time.time()
         self.stats.blocking_s += end - t0
-        self.ledger.interval(ev.CKPT_STAGE, begin=t0, end=end, step=step, part=part)
+        self.ledger.interval(ev.CKPT_STAGE, begin=t0, end=end, lazy=lazy, step=step, part=part)
         return end
 
     def wait_staged(self) -> None:
@@ -316,6 +317,7 @@ class Saves:
         end = time.time()
         self.stats.stall_s.append(end - t0)
         self.stats.blocking_s += end - t0
+        memory: dict[str, Any] = process_memory() if durable else {}  # /proc, once per save
         self.ledger.interval(
             ev.CKPT_STAGE,
             begin=t0,
@@ -332,7 +334,7 @@ class Saves:
             region=region,
             staging_bytes=staging.size,
             queue_depth=1 if busy else 0,
-            **(process_memory() if durable else {}),  # /proc, once per durable save
+            **memory,
         )
         return not skipped
 
@@ -441,5 +443,5 @@ class Saves:
             if not written and not self._told_j:
                 self._told_j = True
                 logger.info("rank %d: noted steps not journaled: %s", self.rank, journal.refused)
-        self.blocked(t0, step, "note")
+        self.blocked(t0, step, "note", lazy=True)  # one every step: no thread woken for it
         return True

@@ -37,13 +37,25 @@ class Recorder(Protocol):
         """
         ...
 
-    def interval(self, kind: str, *, begin: float, end: float | None = None, **data: Any) -> None:
+    def interval(
+        self,
+        kind: str,
+        *,
+        begin: float,
+        end: float | None = None,
+        lazy: bool = False,
+        **data: Any,
+    ) -> None:
         """Record an interval ``[begin, end]``.
 
         Args:
             kind: One of ``unbroken.ledger.events.KINDS``.
             begin: Its start, epoch seconds.
             end: Its end (None: now).
+            lazy: Write it with the next record that is written (the training thread's step
+                record) rather than wake a thread for it: for a per-step record of the
+                training thread, where a thread woken every step takes the interpreter lock
+                from the step.
             **data: Its kind-specific fields.
         """
         ...
@@ -113,7 +125,15 @@ class NullRecorder(Recorder):
     def emit(self, kind: str, *, ts: float | None = None, **data: Any) -> object:
         return None
 
-    def interval(self, kind: str, *, begin: float, end: float | None = None, **data: Any) -> None:
+    def interval(
+        self,
+        kind: str,
+        *,
+        begin: float,
+        end: float | None = None,
+        lazy: bool = False,
+        **data: Any,
+    ) -> None:
         return None
 
     def step(self, step: int, **data: Any) -> None:

@@ -151,7 +151,9 @@ class Notes:
                     frozen[key] = value
                     continue
                 inner = value.obj if isinstance(value, PerRank) else value
-                if is_stateful(inner):
+                if hasattr(inner, "note_state"):  # its own copy for notes (the generators)
+                    held = _Frozen(inner.note_state())
+                elif is_stateful(inner):
                     held = _Frozen(_freeze(inner.state_dict()))
                 else:
                     held = _freeze(inner)

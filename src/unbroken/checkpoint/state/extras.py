@@ -17,7 +17,7 @@ from typing import Any
 from unbroken.checkpoint.config import CheckpointConfig
 from unbroken.checkpoint.state.digest import local_digest
 from unbroken.checkpoint.state.resolve import PerRank
-from unbroken.checkpoint.state.rng import capture_rng_state, restore_rng_state
+from unbroken.checkpoint.state.rng import NotedRng, capture_rng_state, restore_rng_state
 from unbroken.ledger import Recorder
 from unbroken.ledger import events as ev
 
@@ -27,6 +27,14 @@ RNG_KEY = "unbroken_rng"
 
 class RngState:
     """This process's generators as a Stateful."""
+
+    def __init__(self) -> None:
+        self._noted = NotedRng()
+
+    def note_state(self) -> dict[str, Any]:
+        """The state for a note (``rescue``): kept without a copy, the same object while no
+        generator moved (``rng.NotedRng``)."""
+        return self._noted.capture()
 
     def state_dict(self) -> dict[str, Any]:
         return capture_rng_state()

@@ -257,7 +257,7 @@ def restore_recorded(
     """``from_memory`` with the checks ``source`` calls for (an arena another process or a
     peer wrote is verified; a peer's is untrusted), recorded as a ``ckpt_load`` interval from
     ``begin`` (tier "memory" or "peer") when memory held the step; same return value."""
-    timings: dict[str, float] = {}
+    timings: dict[str, Any] = {}  # seconds
     step, held, why = from_memory(
         state,
         arena,
