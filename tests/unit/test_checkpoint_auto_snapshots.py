@@ -55,6 +55,26 @@ def test_the_policy_snapshots_from_the_last_save_at_the_agreed_interval() -> Non
     assert auto.interval is None and not any(auto.step(s) for s in range(25, 44))
 
 
+def test_a_snapshot_that_blocked_longer_than_the_save_sets_the_next_interval() -> None:
+    agreed: list[list[float]] = []
+
+    def agree(values):
+        agreed.append(list(values))
+        return list(values)
+
+    auto = AutoSnapshots(0.01, 100, agree, clock=_clock([0.1 * i for i in range(300)]))
+    [auto.step(s) for s in range(10)]
+    auto.saved(9, stall_s=0.0019)
+    assert auto.interval == 2  # ceil(0.0019 / (0.01 x 0.1))
+    due = [s for s in range(10, 110) if auto.step(s)]
+    auto.snapshotted(due[0], stall_s=0.0059)  # waited on a slower rank's agreement
+    auto.snapshotted(due[1], stall_s=0.001)
+    auto.saved(109, stall_s=0.0019)
+    assert agreed[-1][0] == 0.0059 and auto.interval == 6  # the longest since the last save
+    auto.saved(209, stall_s=0.0019)
+    assert agreed[-1][0] == 0.0019 and auto.interval == 2  # counted once
+
+
 def test_a_fixed_interval_no_budget_or_no_memory_tier_leave_it_off() -> None:
     assert AutoSnapshots.of(CheckpointConfig(every_steps=5), list) is not None  # the default
     assert AutoSnapshots.of(CheckpointConfig(snapshot_every=2), list) is None

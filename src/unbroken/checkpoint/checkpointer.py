@@ -225,8 +225,8 @@ class Checkpointer:
         if snap or self.config.snapshot_due(step) or pending is not None:
             t0 = time.time()
             staged = self.snapshot(step, state)
-            if auto is not None and auto.probing and self._saves.pending is None:
-                auto.probed(step, stall_s=time.time() - t0)  # a probe's stall: the interval
+            if auto is not None and self._saves.pending is None:  # staged: its stall counts
+                auto.snapshotted(step, stall_s=time.time() - t0)
             return staged
         self._saves.prepare_ahead(state)  # once: the plan notes need, a large arena laid out
         self.note(step, state)

@@ -87,6 +87,8 @@ class Saves:
         self.notes = Notes()
         self._told_refused = ""
         self._told_j = False
+        self._note_args: tuple[Any, Any] = (None, None)
+        """(the state's keys and value types, ``plan_args`` for them) of the last note."""
         self.extras = StateExtras(config)  # the generators; the state for the digest
         self.last_step: int | None = None
         """The step staged (or restored) last."""
@@ -422,8 +424,11 @@ class Saves:
             return False
         t0, o, w = time.time(), self.config.overlap, self.world_size
         state = self.extras.full(state)
-        args = plan_args(state, rank=self.rank, world_size=w, overlap=o, stage_all=True)
-        if not self.notes.take(step, state, self.cache.plan, args):
+        kinds = (tuple(state), tuple(map(type, state.values())))  # what plan_args depends on
+        if kinds != self._note_args[0]:
+            args = plan_args(state, rank=self.rank, world_size=w, overlap=o, stage_all=True)
+            self._note_args = (kinds, args)
+        if not self.notes.take(step, state, self.cache.plan, self._note_args[1]):
             # Refused at once (before the first save, a model with buffers): said once a reason.
             why = self.notes.refused
             if self.cache.plan is None and self.resolved:  # it learned no plan from a save

@@ -256,6 +256,10 @@ class Ledger:
             **data: Its kind-specific fields.
         """
         end = time.time() if end is None else end
+        if lazy and kind in ev.KINDS:  # a per-step record: queued as a tuple, no Event built
+            data["dur_s"] = max(0.0, end - begin)
+            self._raw(kind, end, data, lazy=True)
+            return
         self.emit(kind, ts=end, lazy=lazy, dur_s=max(0.0, end - begin), **data)
 
     def mark(self, ts: float | None = None) -> None:

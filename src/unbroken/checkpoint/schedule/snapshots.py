@@ -3,8 +3,9 @@
 With ``CheckpointConfig.snapshot_every`` 0 and a ``snapshot_budget`` (the default, with the
 memory tier), ``Checkpointer.maybe_save`` snapshots between durable saves every ``interval``
 steps: the fewest steps whose snapshot blocks the trainer for at most ``snapshot_budget`` of
-their time, ``ceil(stall / (budget x step))``. The stall is the last durable save's (a snapshot
-copies what a save copies), the step the median of the newest steps (the time between
+their time, ``ceil(stall / (budget x step))``. The stall is the larger of the last durable
+save's (a snapshot copies what a save copies) and of the snapshots' since it (their agreement
+with the other ranks waits on the slowest), the step the median of the newest steps (the time between
 ``maybe_save`` calls); both are maxima over the ranks, agreed at every durable save (one
 all-reduce on every rank at the same step), so every rank snapshots the same steps. A
 millisecond step of a small model pays as little as a two-second step of a large one.
@@ -80,6 +81,8 @@ class AutoSnapshots:
         self.anchor: int | None = None
         """The step of the last durable save (snapshots count from it)."""
         self._probes: list[float] = []
+        self._snapshot_stall = 0.0
+        """The longest stall of a snapshot since the last durable save."""
 
     @classmethod
     def of(
@@ -119,10 +122,19 @@ class AutoSnapshots:
         if len(self._probes) > 1:
             self.saved(step, stall_s=min(self._probes))
 
+    def snapshotted(self, step: int, *, stall_s: float) -> None:
+        """The snapshot of ``step`` blocked ``stall_s``: a probe's sets the interval
+        (``probed``, collective), another's counts in the next one."""
+        if self.probing:
+            self.probed(step, stall_s=stall_s)
+        else:
+            self._snapshot_stall = max(self._snapshot_stall, stall_s)
+
     def saved(self, step: int, *, stall_s: float) -> None:
         """The durable save (or the second probe) of ``step`` blocked ``stall_s``: set the
         interval (collective)."""
         step_s = statistics.median(self._steps) if self._steps else 0.0
+        stall_s, self._snapshot_stall = max(stall_s, self._snapshot_stall), 0.0
         stall, step_s = self._agree([stall_s, step_s])
         n = interval(stall, step_s, self.budget)
         within = n is not None and (not self.every_steps or n < self.every_steps)

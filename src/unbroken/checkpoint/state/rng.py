@@ -38,23 +38,21 @@ class NotedRng:
 
     def __init__(self) -> None:
         self._last: dict[str, Any] | None = None
+        self._bytes = b""  # the last capture's torch and CUDA states, for the comparison
+        self._cuda = torch.cuda.is_available()
 
     def capture(self) -> dict[str, Any]:
         """``capture_rng_state``'s values, or the last capture's dict if they are equal."""
         cpu = torch.get_rng_state()
-        cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []
+        cuda = torch.cuda.get_rng_state_all() if self._cuda else []
         py, np_state = _PYTHON.capture(), _NUMPY.capture(shared=True)
+        raw = b"".join([cpu.numpy().tobytes(), *(c.numpy().tobytes() for c in cuda)])
         last = self._last
-        if (
-            last is not None
-            and py is last["python"]
-            and np_state is last["numpy"]
-            and torch.equal(cpu, last["torch"])
-            and len(cuda) == len(last["cuda"])
-            and all(map(torch.equal, cuda, last["cuda"]))
-        ):
-            return last
+        if last is not None and py is last["python"] and np_state is last["numpy"]:  # noqa: SIM102
+            if raw == self._bytes:
+                return last
         self._last = {"torch": cpu, "cuda": cuda, "python": py, "numpy": np_state}
+        self._bytes = raw
         return self._last
 
 
