@@ -96,9 +96,10 @@ def test_adopted_example_recovers_bit_exact(
     # The Checkpointer recorded into the active ledger without being handed it.
     assert rep.checkpoint_save_s > 0 and rep.checkpoint_efficiency is not None
     assert rep.checkpoint_efficiency < 1.0
-    # ctx.step_done sent the launcher's heartbeats.
+    # ctx.step_done sent the launcher's heartbeats (a steady gap needs two of them 50 ms
+    # apart between faults: not every run of these short steps has one).
     observed = json.loads((run_dir / "launcher" / "heartbeats.json").read_text())
-    assert observed["job_heartbeats"] and observed["steady_samples"] > 0
+    assert observed["job_heartbeats"] and observed["initial_samples"] >= 2
 
 
 def test_plain_script_restarts_unchanged_bit_exact(

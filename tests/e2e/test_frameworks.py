@@ -78,8 +78,10 @@ def _recovered(
     assert tuple(faults[k].restored_step for k in ("exception", "hang", "sigkill")) == restored
     assert {f.restore_tier for f in rep.faults} == {"memory"}
     assert rep.checkpoint_save_s > 0
+    # The launcher heard the workers and kept what it observed (a steady gap needs two
+    # heartbeats 50 ms apart between faults: not every run of these short steps has one).
     observed = json.loads((run_dir / "launcher" / "heartbeats.json").read_text())
-    assert observed["job_heartbeats"] and observed["steady_samples"] > 0
+    assert observed["job_heartbeats"] and observed["initial_samples"] >= 2
     return run_dir
 
 
