@@ -68,17 +68,13 @@ class _Slot:
             other.shape,
         )
 
-    def __hash__(self) -> int:
-        return hash((self.kind, self.dtype, self.shape))
-
     def __reduce__(self) -> tuple[Any, ...]:
         return _Slot, (self.kind, self.dtype, self.shape)
 
     def nbytes(self) -> int:
-        if self.kind == "t":
-            size = torch.empty((), dtype=_torch_dtype(self.dtype)).element_size()
-        else:
-            size = np.dtype(self.dtype).itemsize
+        size = (
+            _torch_dtype(self.dtype).itemsize if self.kind == "t" else np.dtype(self.dtype).itemsize
+        )
         return size * math.prod(self.shape)
 
 

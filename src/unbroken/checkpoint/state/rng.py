@@ -48,9 +48,9 @@ class NotedRng:
         py, np_state = _PYTHON.capture(), _NUMPY.capture(shared=True)
         raw = b"".join([cpu.numpy().tobytes(), *(c.numpy().tobytes() for c in cuda)])
         last = self._last
-        if last is not None and py is last["python"] and np_state is last["numpy"]:  # noqa: SIM102
-            if raw == self._bytes:
-                return last
+        same = last is not None and py is last["python"] and np_state is last["numpy"]
+        if last is not None and same and raw == self._bytes:
+            return last
         self._last = {"torch": cpu, "cuda": cuda, "python": py, "numpy": np_state}
         self._bytes = raw
         return self._last
@@ -69,7 +69,7 @@ class _NumpyGlobal:
     is checked against a full read; where it differs the shortcut is off.
 
     A script that calls ``np.random.set_state`` with a state equal to the current one but for
-    its cached Gaussian is the one case the shortcut cannot see; ``forget`` after it.
+    its cached Gaussian is the one case the shortcut cannot see.
     """
 
     _RAW = 624 * 4 + 4
@@ -142,7 +142,7 @@ class _PythonGlobal:
         return ctypes.string_at(id(gen) + object.__basicsize__, self._RAW)
 
     def capture(self) -> Any:
-        gen = random._inst  # type: ignore[attr-defined]  # what random.getstate reads
+        gen = random._inst  # what random.getstate reads
         raw, gauss = self._raw(gen), getattr(gen, "gauss_next", None)
         last = self._last
         same_words = raw is not None and last is not None and last[0] is gen and last[1] == raw
