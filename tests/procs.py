@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import json
 import os
 import re
+import select
+import shutil
 import signal
+import socket
 import subprocess
 import sys
+import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -16,6 +22,7 @@ from unbroken.env import WorkerEnv
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 VENV_BIN = Path(sys.executable).parent
+LAUNCHER = [sys.executable, "-m", "unbroken.launcher.cli"]
 
 
 @dataclass
@@ -55,11 +62,15 @@ def worker_env(**extra: str) -> dict[str, str]:
 def run(
     cmd: list[str], *, timeout_s: float, env: dict[str, str] | None = None, cwd: Path | None = None
 ) -> Result:
-    """Run ``cmd`` (in ``cwd``) to completion; on timeout kill its whole process group and fail."""
+    """Run ``cmd`` (in ``cwd``) to completion; on timeout kill its whole process group and fail.
+    ``python -m unbroken.launcher.cli ...`` goes through the launch server (``launchpad``)."""
+    env = env or worker_env()
+    if cmd[:3] == LAUNCHER and (pad := launchpad(env)) is not None:
+        return pad.run(cmd[3:], env=env, cwd=cwd or Path.cwd(), timeout_s=timeout_s)
     proc = subprocess.Popen(
         cmd,
         cwd=cwd,
-        env=env or worker_env(),
+        env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         start_new_session=True,
@@ -160,3 +171,89 @@ def children(pid: int) -> list[int]:
         if int(fields[1]) == pid and fields[0] != "Z":
             out.append(int(stat.parent.name))
     return out
+
+
+class Launchpad:
+    """This pytest process's launch server (``tests/launchpad.py``), started on first use."""
+
+    def __init__(self) -> None:
+        self.dir = Path(tempfile.mkdtemp(prefix="unbroken-launchpad-"))
+        self.path = str(self.dir / "sock")
+        self.env = worker_env()
+        self.log = open(self.dir / "log", "wb")  # noqa: SIM115
+        self.proc = subprocess.Popen(
+            [sys.executable, str(Path(__file__).parent / "launchpad.py"), self.path],
+            env=self.env,
+            stdin=subprocess.DEVNULL,
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+        )
+        deadline = time.monotonic() + 120
+        while not os.path.exists(self.path):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise AssertionError(f"the launch server did not start: see {self.dir}/log")
+            time.sleep(0.02)
+        atexit.register(self.close)
+
+    def close(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+    def run(self, args: list[str], *, env: dict[str, str], cwd: Path, timeout_s: float) -> Result:
+        from launchpad import recv, send
+
+        r, w = os.pipe()
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
+            conn.connect(self.path)
+            try:
+                send(conn, {"args": args, "env": env, "cwd": str(cwd)}, [w])
+            finally:
+                os.close(w)
+            pid = recv(conn)[0]["pid"]
+            out = bytearray()
+            deadline = time.monotonic() + timeout_s
+            try:
+                while select.select([r], [], [], max(0.0, deadline - time.monotonic()))[0]:
+                    chunk = os.read(r, 1 << 16)
+                    if not chunk:
+                        break
+                    out += chunk
+                else:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.killpg(pid, signal.SIGKILL)
+                    text = out.decode(errors="replace")
+                    raise AssertionError(
+                        f"{args} timed out after {timeout_s}s; output:\n{text[-4000:]}"
+                    )
+                returncode = recv(conn)[0]["returncode"]
+            finally:
+                os.close(r)
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(pid, signal.SIGKILL)  # stragglers of the group, if any
+        text = out.decode(errors="replace").replace("\r\n", "\n")
+        return Result(returncode, text)
+
+
+_PAD: list[Launchpad] = []
+
+
+def _at_start(env: dict[str, str]) -> dict[str, str]:
+    """What an interpreter reads from its environment as it starts (``sys.path`` from
+    ``PYTHONPATH``, the hash seed, ...) and the thread count torch's import takes."""
+    return {k: v for k, v in env.items() if k.startswith("PYTHON") or k == "OMP_NUM_THREADS"}
+
+
+def launchpad(env: dict[str, str]) -> Launchpad | None:
+    """The launch server, unless ``UNBROKEN_TEST_LAUNCHPAD=0`` or an interpreter started with
+    ``env`` would differ from the server's (see ``_at_start``)."""
+    if os.environ.get("UNBROKEN_TEST_LAUNCHPAD", "1") == "0":
+        return None
+    if not _PAD:
+        _PAD.append(Launchpad())
+    pad = _PAD[0]
+    return pad if _at_start(env) == _at_start(pad.env) else None
+
+
+def launchpad_pid() -> int | None:
+    return _PAD[0].proc.pid if _PAD else None

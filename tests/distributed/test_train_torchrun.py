@@ -76,9 +76,9 @@ def test_report_of_a_plain_run_is_sensible(tmp_path: Path) -> None:
         assert rep.badput_s[phase] > 0, phase
 
 
-def test_sigkill_under_torchrun_restart_fires_once_and_recovers_3_of_3(tmp_path: Path) -> None:
-    """Three trials, each a real torchrun restart after a SIGKILL (the hundred seeded faults of
-    ``make soak`` are where reliability is counted)."""
+def test_sigkill_under_torchrun_restart_fires_once_and_recovers(tmp_path: Path) -> None:
+    """A real torchrun restart after a SIGKILL (the hundred seeded faults of ``make soak`` are
+    where reliability is counted)."""
     plan = tmp_path / "plan.yaml"
     plan.write_text("faults:\n  - {step: 5, rank: 1, kind: sigkill}\n")
     ref = run(
@@ -86,23 +86,22 @@ def test_sigkill_under_torchrun_restart_fires_once_and_recovers_3_of_3(tmp_path:
     )
     assert ref.returncode == 0, ref.output[-3000:]
     expected = ref.hashes()[0]
-    for trial in range(3):
-        run_dir = tmp_path / f"t{trial}"
-        res = run(
-            train_cmd(
-                run_dir,
-                nproc=2,
-                steps=10,
-                extra=["--batch-size", "4", "--faults", str(plan)],
-                torchrun_args=["--max-restarts", "1"],
-            ),
-            timeout_s=120,
-        )
-        assert res.returncode == 0, f"trial {trial}:\n{res.output[-3000:]}"
-        assert res.hashes() == [expected, expected], f"trial {trial}"
-        events = read_events(run_dir)
-        injected = [e for e in events if e.kind == "fault_injected"]
-        assert [(e.rank, e.get("step"), e.get("fault")) for e in injected] == [(1, 5, "sigkill")]
-        assert {e.attempt for e in events} == {0, 1}
-        rep = goodput.compute(events)
-        assert len(rep.faults) == 1 and rep.faults[0].steps_lost == 6
+    run_dir = tmp_path / "run"
+    res = run(
+        train_cmd(
+            run_dir,
+            nproc=2,
+            steps=10,
+            extra=["--batch-size", "4", "--faults", str(plan)],
+            torchrun_args=["--max-restarts", "1"],
+        ),
+        timeout_s=120,
+    )
+    assert res.returncode == 0, res.output[-3000:]
+    assert res.hashes() == [expected, expected]
+    events = read_events(run_dir)
+    injected = [e for e in events if e.kind == "fault_injected"]
+    assert [(e.rank, e.get("step"), e.get("fault")) for e in injected] == [(1, 5, "sigkill")]
+    assert {e.attempt for e in events} == {0, 1}
+    rep = goodput.compute(events)
+    assert len(rep.faults) == 1 and rep.faults[0].steps_lost == 6

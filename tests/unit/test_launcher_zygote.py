@@ -33,7 +33,7 @@ _AGENT = textwrap.dedent(
         "open(sys.argv[1], 'w').write(json.dumps(out))\\n"
     )
     outs = [tmp / f"worker-{i}.json" for i in range(n)]
-    pool = Zygote(["json"], env=dict(os.environ))
+    pool = Zygote([sys.argv[3]], env=dict(os.environ))
     try:
         assert pool.wait_ready(60), "the warm pool did not come up"
         reqs = [
@@ -50,6 +50,7 @@ _AGENT = textwrap.dedent(
         pool.close()
     print(json.dumps({
         "agent": os.getpid(),
+        "forked": type(pool.proc).__name__ == "Forked",
         "pids": pids,
         "reaped": reaped,
         "workers": [json.loads(o.read_text()) for o in outs],
@@ -73,10 +74,14 @@ def _run_agent(tmp_path: Path, code: str, *args: str) -> dict:
 
 
 @pytest.mark.parametrize("n", [1, 4])
+@pytest.mark.parametrize("preload", ["json", "csv"])
 def test_a_requests_workers_are_the_agents_children_and_share_no_pipe(
-    tmp_path: Path, n: int
+    tmp_path: Path, n: int, preload: str
 ) -> None:
-    doc = _run_agent(tmp_path, _AGENT, str(n))
+    """With ``json`` preloaded (the agent imported it) the pool is forked from the agent, with
+    ``csv`` (not imported) it is a fresh interpreter: the workers are the same."""
+    doc = _run_agent(tmp_path, _AGENT, str(n), preload)
+    assert doc["forked"] is (preload == "json")
     workers = doc["workers"]
     assert sorted(w["pid"] for w in workers) == sorted(doc["pids"])
     assert len(set(doc["pids"])) == n

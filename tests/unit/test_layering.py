@@ -418,6 +418,7 @@ def test_the_docstring_check_reads_the_stated_rule(tmp_path: Path) -> None:
 ENV_BUILDERS = {
     "unbroken.launcher.cli": "the workers' base environment (torchrun's OMP_NUM_THREADS default)",
     "unbroken.launcher.bootstrap": "installs a worker's environment in the forked child",
+    "unbroken.launcher.forked": "installs the warm pool's environment in the forked child",
     "unbroken.launcher.workers": "a worker's environment (TORCH_NCCL_ASYNC_ERROR_HANDLING)",
     "unbroken.bench.orchestrator": "the emulated pods' environment (this process's, or given)",
 }

@@ -24,7 +24,9 @@ per node) leave the restart's path. A standby whose socket is closed (it died) i
 and its worker forked as without standbys; standbys exit when the pool does (EOF on their socket) or with
 the agent (PR_SET_PDEATHSIG), and the agent reaps them as the orphans they are.
 
-``Zygote`` is the agent's handle on it.
+``Zygote`` is the agent's handle on it. An agent that already holds every preload module (it
+was itself forked from a process that imported them, as the test suite's launch server does)
+forks the pool instead of starting an interpreter that would import them again (``forked``).
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ import time
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
-from unbroken.launcher import bootstrap
+from unbroken.launcher import bootstrap, forked
 from unbroken.launcher.errors import LauncherError
 
 logger = logging.getLogger(__name__)
@@ -297,20 +299,17 @@ class Zygote:
 
     def __init__(self, preload: Sequence[str], *, env: dict[str, str]) -> None:
         self._sock, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        self.proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "unbroken.launcher.zygote",
-                "--fd",
-                str(child.fileno()),
-                "--preload",
-                ",".join(preload),
-            ],
-            pass_fds=(child.fileno(),),
-            env=env,
-            stdin=subprocess.DEVNULL,
-        )
+        argv = ["--fd", str(child.fileno()), "--preload", ",".join(preload)]
+        self.proc: subprocess.Popen[bytes] | forked.Forked
+        if forked.can_fork(preload):
+            self.proc = forked.fork(lambda: run(argv), env=env, close=self._sock)
+        else:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "unbroken.launcher.zygote", *argv],
+                pass_fds=(child.fileno(),),
+                env=env,
+                stdin=subprocess.DEVNULL,
+            )
         child.close()
         self.preload = tuple(preload)
         self.pid = self.proc.pid
@@ -387,21 +386,27 @@ class Zygote:
                 self.proc.wait()
 
 
-if __name__ == "__main__":
+def run(argv: Sequence[str]) -> None:
+    """What ``python -m unbroken.launcher.zygote`` does: serve as the pool until it closes;
+    in a forked worker, become the worker and run its target (returns when it returns)."""
     try:
-        _started = main(sys.argv[1:])
+        started = main(argv)
     except (BrokenPipeError, ConnectionResetError):  # the agent exited before it read us
-        _started = None
-    if _started is None:
-        sys.exit(0)
-    _req, _agent_pid = _started
-    del _started
-    if "standby_fd" in _req:  # wait as the agent's child until a restart needs this worker
-        bootstrap.await_parent(_agent_pid, gate_fd=_req.pop("gate_fd"))
-        _handed = await_request(_req["standby_fd"])
-        if _handed is None:
+        started = None
+    if started is None:
+        return
+    req, agent_pid = started
+    del started
+    if "standby_fd" in req:  # wait as the agent's child until a restart needs this worker
+        bootstrap.await_parent(agent_pid, gate_fd=req.pop("gate_fd"))
+        handed = await_request(req["standby_fd"])
+        if handed is None:
             os._exit(0)
-        _req = {**_handed, "activated": time.time()}
-        del _handed
-    bootstrap.become_worker(_req, agent_pid=_agent_pid)
-    bootstrap.run_target(_req)
+        req = {**handed, "activated": time.time()}
+        del handed
+    bootstrap.become_worker(req, agent_pid=agent_pid)
+    bootstrap.run_target(req)
+
+
+if __name__ == "__main__":
+    run(sys.argv[1:])
