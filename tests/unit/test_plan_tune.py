@@ -122,6 +122,18 @@ def test_a_save_held_back_a_step_does_not_halve_the_interval_seen(tmp_path: Path
     assert observe(training(tmp_path / "b", extra=[*busy, held[1]])).ckpt_every == 1
 
 
+def test_a_save_skipped_at_every_step_while_one_persists_fell_due_once(tmp_path: Path) -> None:
+    # A slow writer: the save due after step 19 is skipped at steps 19-26, each time for the
+    # same save still persisting; one save that fell due, not eight a step apart.
+    busy = [
+        rec(ev.CKPT_SKIP, 102.0 + 0.1 * s, step=s, reason="the save of step 9 is still persisting")
+        for s in range(19, 27)
+    ]
+    run = training(tmp_path / "r", persist_s=0.0, extra=busy)
+    obs = observe(run)
+    assert obs.ckpt_every == 10 and obs.skipped_saves == 8
+
+
 def test_the_run_figures_come_from_their_records(tmp_path: Path) -> None:
     run = training(
         tmp_path / "r", snapshot_every=2, note_s=0.0005, first_step_s=3.0, slow_step=(30, 0.4)
