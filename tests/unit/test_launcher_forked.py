@@ -30,6 +30,8 @@ _PARENT = textwrap.dedent(
             "env": dict(os.environ),
             "sigterm_default": signal.getsignal(signal.SIGTERM) == signal.SIG_DFL,
             "stdin": os.readlink("/proc/self/fd/0"),
+            "files": [os.path.basename(os.readlink(f"/proc/self/fd/{fd}"))
+                      for fd in os.listdir("/proc/self/fd") if os.path.exists(f"/proc/self/fd/{fd}")],
         }
         (tmp / "seen.json").write_text(json.dumps(seen))
         atexit.register(lambda: (tmp / "atexit").write_text("ran"))
@@ -42,7 +44,9 @@ _PARENT = textwrap.dedent(
         if case == "raise":
             raise ValueError("boom")
 
-    proc = forked.fork(child, env={"ONLY": "this"})
+    held = open(tmp / "lock", "w")  # noqa: SIM115  # the parent's: closed in the child
+    kept = os.open(tmp / "kept", os.O_WRONLY | os.O_CREAT)
+    proc = forked.fork(child, env={"ONLY": "this"}, keep_fds=(kept,))
     code = proc.wait(30)
     with open(tmp / "after_fork", "a") as f:  # the parent's code only: the child never gets here
         f.write(f"{os.getpid()}\\n")
@@ -65,6 +69,7 @@ def test_a_forked_child_ends_as_an_interpreter_would(tmp_path: Path, case: str, 
     seen = json.loads((tmp_path / "seen.json").read_text())
     assert seen["env"] == {"ONLY": "this"}
     assert seen["sigterm_default"] and seen["stdin"] == "/dev/null"
+    assert "kept" in seen["files"] and "lock" not in seen["files"]  # the parent's other files
     assert (tmp_path / "atexit").read_text() == "ran"
     assert (tmp_path / "thread").read_text() == "joined"
     assert ("ValueError: boom" in res.stderr) == (case == "raise")

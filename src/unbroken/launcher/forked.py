@@ -110,11 +110,35 @@ class Forked:
             os.kill(self.pid, signal.SIGKILL)
 
 
+def _close_fds(keep: Sequence[int]) -> None:
+    """Close every descriptor but stdio and ``keep``, as ``subprocess.Popen(close_fds=True)``:
+    none of the parent's (a run directory's lock, its sockets) lives on in the child."""
+    for name in os.listdir("/proc/self/fd"):
+        fd = int(name)
+        if fd > 2 and fd not in keep:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+
 def fork(
-    fn: Callable[[], object], *, env: dict[str, str], close: socket.socket | None = None
+    fn: Callable[[], object],
+    *,
+    env: dict[str, str],
+    keep_fds: Sequence[int] = (),
+    close: socket.socket | None = None,
 ) -> Forked:
-    """Fork a child that runs ``fn`` as a fresh interpreter would run a script (see above);
-    ``close``: a socket of the parent's that the child must not hold."""
+    """Fork a child that runs ``fn`` as a fresh interpreter would run a script (see above).
+
+    Args:
+        fn: The child's work; its return ends the child with exit code 0.
+        env: The child's whole environment.
+        keep_fds: Descriptors the child keeps besides stdio (``pass_fds``); it closes the rest.
+        close: A socket object of the parent's that the child must not use (closed with its
+            descriptor).
+
+    Returns:
+        The parent's handle on the child.
+    """
     for stream in (sys.stdout, sys.stderr):
         stream.flush()
     pid = os.fork()
@@ -123,6 +147,7 @@ def fork(
     try:
         if close is not None:
             close.close()
+        _close_fds(keep_fds)
         for s in _SIGNALS:
             signal.signal(s, signal.SIG_DFL)
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)

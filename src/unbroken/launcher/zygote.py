@@ -302,7 +302,9 @@ class Zygote:
         argv = ["--fd", str(child.fileno()), "--preload", ",".join(preload)]
         self.proc: subprocess.Popen[bytes] | forked.Forked
         if forked.can_fork(preload):
-            self.proc = forked.fork(lambda: run(argv), env=env, close=self._sock)
+            self.proc = forked.fork(
+                lambda: run(argv), env=env, keep_fds=(child.fileno(),), close=self._sock
+            )
         else:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "unbroken.launcher.zygote", *argv],
