@@ -56,35 +56,26 @@ def recv(sock: socket.socket, *, with_fds: bool = False) -> tuple[object, list[i
     return (None if body is None else json.loads(body)), fds
 
 
-def _agent(req: dict, out: int) -> None:
-    """In the forked agent: become ``python -m unbroken.launcher.cli ARGS`` (never returns)."""
+def _supervise(conn: socket.socket, req: dict, out: int) -> None:
+    """Fork the agent, ``python -m unbroken.launcher.cli ARGS`` in its own session with its
+    output to ``out``; send back its pid, then its exit status."""
     from unbroken.launcher import cli, forked
 
-    os.setsid()
-    os.dup2(out, 1)
-    os.dup2(out, 2)
-    os.close(out)
-    null = os.open(os.devnull, os.O_RDONLY)
-    os.dup2(null, 0)
-    os.close(null)
-    os.chdir(req["cwd"])
-    sys.path[0] = req["cwd"]  # as for ``python -m``
-    os.environ.clear()
-    os.environ.update(req["env"])
-    sys.argv = [cli.__file__, *req["args"]]
-    forked.call_and_end(lambda: sys.exit(cli.main(req["args"])))
+    def agent() -> None:
+        os.setsid()
+        os.dup2(out, 1)
+        os.dup2(out, 2)
+        os.close(out)
+        os.chdir(req["cwd"])
+        sys.path[0] = req["cwd"]  # as for ``python -m``
+        sys.argv = [cli.__file__, *req["args"]]
+        sys.exit(cli.main(req["args"]))
 
-
-def _supervise(conn: socket.socket, req: dict, out: int) -> None:
-    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-    pid = os.fork()
-    if pid == 0:
-        conn.close()
-        _agent(req, out)
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # the server's SIG_IGN would reap it
+    child = forked.fork(agent, env=req["env"], keep_fds=(out,), close=conn)
     os.close(out)
-    send(conn, {"pid": pid})
-    _, status = os.waitpid(pid, 0)
-    send(conn, {"returncode": os.waitstatus_to_exitcode(status)})
+    send(conn, {"pid": child.pid})
+    send(conn, {"returncode": child.wait()})
 
 
 def serve(path: str) -> None:

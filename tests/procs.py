@@ -210,7 +210,9 @@ class Launchpad:
                 send(conn, {"args": args, "env": env, "cwd": str(cwd)}, [w])
             finally:
                 os.close(w)
-            pid = recv(conn)[0]["pid"]
+            started = recv(conn)[0]
+            assert started, f"the launch server did not start {args}: see {self.dir}/log"
+            pid = started["pid"]
             out = bytearray()
             deadline = time.monotonic() + timeout_s
             try:
@@ -226,7 +228,9 @@ class Launchpad:
                     raise AssertionError(
                         f"{args} timed out after {timeout_s}s; output:\n{text[-4000:]}"
                     )
-                returncode = recv(conn)[0]["returncode"]
+                ended = recv(conn)[0]
+                assert ended, f"the launch server lost {args}: see {self.dir}/log"
+                returncode = ended["returncode"]
             finally:
                 os.close(r)
                 with contextlib.suppress(ProcessLookupError):

@@ -80,7 +80,7 @@ def test_forking_is_chosen_only_when_it_saves_imports_and_no_thread_runs() -> No
         """
         import threading, time
         from unbroken.launcher import forked
-        assert forked.can_fork(["json", "os"]) is (forked._threads() == 1)
+        assert forked.can_fork(["json", "os"]) is (forked.threads() == 1)
         assert not forked.can_fork([])
         assert not forked.can_fork(["json", "a_module_nobody_imported"])
         stop = threading.Event()

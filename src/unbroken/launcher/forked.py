@@ -29,7 +29,8 @@ from typing import NoReturn
 _SIGNALS = (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
 
 
-def _threads() -> int:
+def threads() -> int:
+    """The threads this process runs, native ones included (``/proc``)."""
     try:
         return len(os.listdir("/proc/self/task"))
     except OSError:
@@ -39,7 +40,7 @@ def _threads() -> int:
 def can_fork(modules: Sequence[str]) -> bool:
     """Whether forking saves the child its imports and is safe: every module in ``modules``
     (non-empty) is imported and this process runs one thread."""
-    return bool(modules) and all(m in sys.modules for m in modules) and _threads() == 1
+    return bool(modules) and all(m in sys.modules for m in modules) and threads() == 1
 
 
 def exit_code(e: SystemExit) -> int:
@@ -97,6 +98,11 @@ class Forked:
         return self.returncode
 
     def wait(self, timeout: float | None = None) -> int:
+        if timeout is None and self.returncode is None:
+            try:
+                self.returncode = os.waitstatus_to_exitcode(os.waitpid(self.pid, 0)[1])
+            except ChildProcessError:  # reaped by someone else
+                self.returncode = 0
         deadline = None if timeout is None else time.monotonic() + timeout
         while self.poll() is None:
             if deadline is not None and time.monotonic() > deadline:

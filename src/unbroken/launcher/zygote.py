@@ -85,11 +85,7 @@ def _recv(sock: socket.socket) -> Any:
     return None if body is None else json.loads(body)
 
 
-def _threads() -> int:
-    try:
-        return len(os.listdir("/proc/self/task"))
-    except OSError:
-        return 1
+_threads = forked.threads
 
 
 def _threads_past_a_fork() -> int:

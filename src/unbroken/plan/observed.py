@@ -224,7 +224,7 @@ def observe(run_dir: str | Path) -> Observed:
     # A save skipped while the previous one persists stays due: skipped again at every step
     # (the same reason) until it is staged; such a run of skips is one save that fell due.
     reasons = {int(e.get("step")): e.get("reason") for e in skips}
-    fell_due = [s for s, why in reasons.items() if reasons.get(s - 1, ...) != why]
+    fell_due = [s for s, why in reasons.items() if s - 1 not in reasons or reasons[s - 1] != why]
     due = [s for s in saved if s not in delayed] + fell_due
     sized = [e for e in saves if e.get("bytes")] or [e for e in snapshots if e.get("bytes")]
     return Observed(
