@@ -113,6 +113,9 @@ class WorkerEnv:
     a multi-node ``unbroken-run`` job)."""
     fault_plan: Path | None = None
     """The fault plan named by ``UNBROKEN_FAULTS``, if any."""
+    handover: str | None = None
+    """This worker's key prefix in the job store for the agent's handover to the next round
+    (``UNBROKEN_HANDOVER``; None outside a multi-node ``unbroken-run`` job)."""
 
     def __post_init__(self) -> None:
         if self.world_size < 1:
@@ -151,6 +154,7 @@ class WorkerEnv:
             memory_keeper=e.get(UNBROKEN_MEMORY_KEEPER) or None,
             peers=tuple(p for p in (e.get(UNBROKEN_PEERS) or "").split(",") if p),
             fault_plan=Path(e[UNBROKEN_FAULTS]) if e.get(UNBROKEN_FAULTS) else None,
+            handover=e.get(UNBROKEN_HANDOVER) or None,
         )
 
 
@@ -326,6 +330,15 @@ def standby_start(environ: Mapping[str, str] | None = None) -> float | None:
         return None
 
 
+UNBROKEN_HANDOVER = "UNBROKEN_HANDOVER"
+"""A worker's key prefix in the job store under which its agent hands it over to the next round
+after another node is lost (``unbroken.restart.handover``); set in multi-node jobs only."""
+HANDOVER_READY = "ready"
+"""Below a worker's handover prefix: written by the worker once it listens."""
+HANDOVER_HOLD = "hold"
+"""Written by the agent: leave ``fn`` and wait (by the worker, "release": stop listening)."""
+HANDOVER_NEXT = "next"
+"""Written by the agent: the worker's environment in the next round, or why it must leave."""
 UNBROKEN_PEERS = "UNBROKEN_PEERS"
 """Comma-separated ``host:port#token`` of every node's peer memory service in the round, in
 group-rank order (``unbroken.checkpoint.tiers.peers``); a worker replicates its snapshots to the next

@@ -31,6 +31,8 @@ that a script adopts unbroken in a few lines and its report has every figure:
 - a Checkpointer's wait for a commit (``close`` after the loop, ``wait``, a sync save) is
   a known region without progress: a "finishing" heartbeat and ``ctx.no_hang_protection``
   around it (``unbroken.checkpoint.node.waiting``), so a long final save is no hang;
+- when another node is lost, the node agent may hand this process over to the next round
+  (``unbroken.restart.handover``): ``fn`` runs again here, as a worker of that round;
 - checkpoint writers fork from a server forked before ``fn`` builds anything
   (``unbroken.checkpoint.persisting.forkserver``), not from the trainer: the writer an in-process restart
   starts shares no page of the model, so the next steps copy none (copy-on-write).
@@ -68,11 +70,13 @@ from unbroken.env import Overrides, WorkerEnv, standby_start
 from unbroken.errors import EXIT_CONFIG, ConfigError, Preempted, StopJob
 from unbroken.faults import FaultInjector, load_plan
 from unbroken.launcher.client import heartbeat, waiting
+from unbroken.launcher.client import reset as reset_heartbeat
 from unbroken.ledger import NULL, Ledger, phases, process_start_time
 from unbroken.ledger import events as ev
 from unbroken.ledger.active import activate
 from unbroken.ledger.process import open_for_process, record_failure, sigterm_taken_by
 from unbroken.restart import Escalated, RankExcluded, RestartConfig, RestartContext
+from unbroken.restart.handover import NewRound
 
 logger = logging.getLogger(__name__)
 
@@ -154,29 +158,20 @@ def run(
         raise ConfigError(str(e)) from e
     ledger = _open_ledger(env, env.run_dir, meta, overrides) if env.run_dir is not None else None
     try:
-        try:
-            injector = _injector(env, ledger)
-        except (ValueError, FileNotFoundError) as e:
-            raise ConfigError(str(e)) from e
         with contextlib.ExitStack() as stack:
             stack.enter_context(activate(NULL if ledger is None else ledger))
-            stack.enter_context(node.provide(_node_tiers(env)))
-            offer = node.JobOffer(overrides=overrides, relaunched=env.restart_count > 0)
-            stack.enter_context(node.provide_job(offer))
             # Before fn builds anything: its writers share no page of it.
             stack.enter_context(forkserver.serving())
             stack.enter_context(_preemptible())
-            if injector is not None:
-                stack.enter_context(phases.listening(injector.on_phase))
-                stack.enter_context(hooks.offer(injector.hooks_for))
-            value = restart.run(
-                _with_hooks(fn, injector, relaunched=env.restart_count > 0),
-                config=config,
-                ledger=ledger,
-                env=env,
-                on_waiting=waiting,
-                stopping=_stop_requested,
-            )
+            while True:
+                try:
+                    value = _run_round(fn, env, config, ledger, overrides)
+                    break
+                except NewRound as new:  # the agent handed this worker to the next round
+                    new.apply(NULL if ledger is None else ledger)
+                    reset_heartbeat()  # sent under the new rank and round
+                    now = WorkerEnv.from_environ()
+                    env = dataclasses.replace(now, run_dir=env.run_dir, fault_plan=env.fault_plan)
     except (Escalated, RankExcluded, ConfigError, Preempted, KeyboardInterrupt, SystemExit):
         if ledger is not None:
             ledger.close()
@@ -261,6 +256,35 @@ def main(
         sys.stderr.flush()
         os._exit(1)
     sys.exit(0)
+
+
+def _run_round(
+    fn: Callable[[RestartContext], T],
+    env: WorkerEnv,
+    config: RestartConfig,
+    ledger: Ledger | None,
+    overrides: Overrides,
+) -> T:
+    """``fn`` under in-process restart, as a worker of ``env``'s launcher round."""
+    try:
+        injector = _injector(env, ledger)
+    except (ValueError, FileNotFoundError) as e:
+        raise ConfigError(str(e)) from e
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(node.provide(_node_tiers(env)))
+        offer = node.JobOffer(overrides=overrides, relaunched=env.restart_count > 0)
+        stack.enter_context(node.provide_job(offer))
+        if injector is not None:
+            stack.enter_context(phases.listening(injector.on_phase))
+            stack.enter_context(hooks.offer(injector.hooks_for))
+        return restart.run(
+            _with_hooks(fn, injector, relaunched=env.restart_count > 0),
+            config=config,
+            ledger=ledger,
+            env=env,
+            on_waiting=waiting,
+            stopping=_stop_requested,
+        )
 
 
 def _restart_config(config: RestartConfig, overrides: Overrides) -> RestartConfig:

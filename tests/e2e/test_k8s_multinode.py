@@ -9,6 +9,7 @@ with the fault-free run's ``final_state_sha256``, the survivors' agents never re
 from __future__ import annotations
 
 import dataclasses
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -133,6 +134,16 @@ def test_a_hot_spare_takes_the_lost_nodes_place_without_waiting_for_kubernetes(
     # the next node, ranks that moved restore from the node that has them; none from disk.
     assert set(res.tiers) <= {"memory", "peer"} and res.tiers.get("peer", 0) >= 2, res.tiers
     assert res.steps_lost is not None and res.steps_lost <= 1
+    # The surviving nodes kept their group ranks and handed their paused workers over to the
+    # new round: the same processes (one process_start each) with the same ranks; only the
+    # spare's two workers started, as ranks 0-1 (the lost node's).
+    events = read_events(res.run_dir)
+    starts = Counter(e.rank for e in events if e.kind == "process_start" and e.rank >= 0)
+    handed = {
+        e.rank for e in events if e.kind == "restart_end" and e.get("handover") and e.rank >= 0
+    }
+    assert handed == {2, 3, 4, 5}, handed
+    assert starts == {0: 2, 1: 2, 2: 1, 3: 1, 4: 1, 5: 1}, starts
 
 
 def test_a_drained_node_is_a_preemption_the_job_saves_at_then_goes_on_with_the_spare(

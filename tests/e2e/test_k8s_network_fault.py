@@ -45,10 +45,9 @@ def test_a_slow_lossy_link_slows_the_job_and_restarts_nothing(
         f"faults:\n  - {{step: {AT_STEP}, rank: 0, kind: network, delay_ms: 50, loss: 1, "
         f"seconds: {WINDOW_S}}}\n"
     )
-    # With in-process restart on: its watchdog, too, must see a crawling collective (it
-    # sends) as slow, not hung.
-    args = tuple(a for a in JOB.train_args if a != "--no-inprocess")
-    job = dataclasses.replace(JOB, train_args=(*args, "--faults", str(plan)))
+    # With in-process restart on (the emulated cluster's default): its watchdog, too, must see
+    # a crawling collective (it sends) as slow, not hung.
+    job = dataclasses.replace(JOB, train_args=(*JOB.train_args, "--faults", str(plan)))
     res = run_node_loss(job, tmp_path / "work")
     assert res.status == "Complete", res.history[-5:]
     assert res.final_state_sha256 == clean_hash

@@ -38,6 +38,7 @@ class FakeRdzv:
     rounds: list[Any] = field(default_factory=list)  # RoundInfo or an exception to raise
     waiting: list[int] = field(default_factory=list)
     calls: list[str] = field(default_factory=list)
+    lost: list[list[str]] = field(default_factory=list)  # membership's lost nodes, in order
 
     def next_round(self) -> RoundInfo:
         self.calls.append("next_round")
@@ -49,7 +50,7 @@ class FakeRdzv:
     preempted: list[bool] = field(default_factory=list)  # peer_preempted's answers, in order
 
     def membership(self) -> tuple[int, list[str]]:
-        return (self.waiting.pop(0) if self.waiting else 0), []
+        return (self.waiting.pop(0) if self.waiting else 0), (self.lost.pop(0) if self.lost else [])
 
     def announce_preemption(self, info: RoundInfo) -> None:
         self.calls.append(f"preempted{info.round}")
@@ -190,6 +191,7 @@ def make(
     max_restarts: int = 3,
     max_nodes: int = 1,
     waiting: list[int] | None = None,
+    handover: Any = None,
     **cfg: Any,
 ) -> tuple[Agent, FakeRdzv, FakeWorkers, FakeLedger]:
     clock = Clock()
@@ -231,6 +233,7 @@ def make(
         run_id="job",
         clock=clock,
         wall=clock,
+        handover=handover,
     )
     return agent, rdzv, workers, ledger
 
@@ -409,6 +412,63 @@ def test_a_sigterm_in_a_multi_node_job_is_told_to_the_others_and_leaves_the_rend
     assert agent.run() == 128 + signal.SIGTERM
     assert rdzv.calls == ["next_round", "preempted0", "leave", "leave"]  # at once, and at exit
     assert workers.log[-1] == ("stop", 1.5)  # the workers' grace: they save the agreed step
+
+
+class FakeHandover:
+    """``launcher.handover.Handover``'s answers, scripted: whether it pauses, and whether the
+    paused workers can be handed over."""
+
+    def __init__(self, *, pauses: bool, hands_over: bool) -> None:
+        self.pauses, self.hands_over = pauses, hands_over
+        self.paused: list[str] = []
+        self.calls: list[tuple[Any, ...]] = []
+
+    def pause(self, info: RoundInfo, failures: list[Any]) -> bool:
+        self.calls.append(("pause", info.round, tuple(f.cause for f in failures)))
+        self.paused = ["p0/", "p1/"] if self.pauses else []
+        return self.pauses
+
+    def hand_over(self, info: RoundInfo) -> tuple[dict[int, tuple[int, int]] | None, list[Any]]:
+        self.calls.append(("hand_over", info.round))
+        self.paused = []
+        if not self.hands_over:
+            return None, []
+        return {lr: (info.rank_offset + lr, 100 + lr) for lr in range(NPROC)}, []
+
+    def refuse(self, why: str) -> None:
+        self.calls.append(("refuse", why))
+        self.paused = []
+
+
+@pytest.mark.parametrize("hands_over", [True, False])
+def test_after_a_lost_node_the_workers_are_paused_then_handed_over_to_the_next_round(
+    tmp_path: Path, hands_over: bool
+) -> None:
+    """A lost node: this node's workers are paused, not stopped; once the next round has
+    formed they are its workers, the same processes (no start). When they cannot be handed
+    over (one exited meanwhile), they are stopped and new ones started."""
+    handover = FakeHandover(pauses=True, hands_over=hands_over)
+    script = [[hbs(0), "tick", ok_exits()]] + ([] if hands_over else [[ok_exits()]])
+    agent, _, workers, ledger = make(
+        tmp_path,
+        script,
+        rounds=[_multi_node(0), _multi_node(1)],
+        max_nodes=2,
+        membership_check_s=1e-6,
+        handover=handover,
+    )
+    agent.rdzv.lost = [["node-b"]]  # type: ignore[attr-defined]
+    assert agent.run() == errors.EXIT_OK
+    assert handover.calls[:2] == [("pause", 0, ("node_lost",)), ("hand_over", 1)]
+    assert ledger.of("fault_detected")[0]["cause"] == "node_lost"
+    [end] = ledger.of("restart_end")
+    if hands_over:
+        assert workers.log == [("start", 0)]  # never stopped, never started again
+        assert end["handover"] is True
+        assert [p["paused"] for p in ledger.of("phase") if p.get("name") == "stop"] == [True]
+    else:
+        assert workers.log == [("start", 0), ("stop", 1.5), ("start", 1)]
+        assert "handover" not in end
 
 
 def test_another_nodes_preemption_saves_with_it_then_goes_on_without_the_budget(

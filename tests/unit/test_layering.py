@@ -421,6 +421,7 @@ ENV_BUILDERS = {
     "unbroken.launcher.forked": "installs the warm pool's environment in the forked child",
     "unbroken.launcher.workers": "a worker's environment (TORCH_NCCL_ASYNC_ERROR_HANDLING)",
     "unbroken.bench.orchestrator": "the emulated pods' environment (this process's, or given)",
+    "unbroken.restart.handover": "a worker handed over takes its next round's environment",
 }
 
 

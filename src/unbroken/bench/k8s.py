@@ -16,17 +16,18 @@ the job goes on without the node). Configurations:
   node from the node that has them);
 - ``spare-disk``: the same without the peer tier (``--no-peer-replica``): the ranks whose
   snapshots are not on their node restore from disk;
+- ``spare-cold``: ``spare`` with the surviving nodes' workers stopped and started anew
+  (``--no-ft-handover``) instead of handed over to the new round;
 - ``replace``: no spare; Kubernetes replaces the pod after ``--pod-restart-s``, and the
   survivors wait for it, warm;
 - ``baseline``: Kubernetes alone (a JobSet of torchrun pods, static rendezvous, no restarts
   inside the job): the lost pod fails the child Job, the JobSet recreates every pod after
   ``--pod-restart-s``.
 
-Figures: node loss -> training again (``recovery_s``: the loss to every rank having completed
-a step; for a drain, ``drain_outage``), the steps lost and where each rank restored from
-(``tiers``), from the run's ledger, with the goodput code every other figure uses. The
-unbroken configurations snapshot to memory every ``--snapshot-every`` steps; clean and
-baseline never do.
+Figures (from the run's ledger, with the goodput code every other figure uses): node loss ->
+training again (``recovery_s``: the loss to every rank having completed a step; for a drain,
+``drain_outage``), the steps lost and where each rank restored from (``tiers``). The unbroken
+configurations snapshot to memory every ``--snapshot-every`` steps; clean and baseline never.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from unbroken.bench.k8s_tail import LedgerTail, drain_outage
+from unbroken.bench.k8s_tail import LedgerTail, drain_outage, format_table
 from unbroken.bench.k8s_workdir import fresh_workdir, not_ours
 from unbroken.bench.netfaults import NetworkFaults
 from unbroken.k8s import render
@@ -55,7 +56,7 @@ logger = logging.getLogger(__name__)
 
 CLAIM = "ckpt"
 MOUNT = "/checkpoints"
-CONFIGS = ("clean", "spare", "spare-disk", "replace", "baseline")
+CONFIGS = ("clean", "spare", "spare-disk", "spare-cold", "replace", "baseline")
 TERMINATION_GRACE_S = 20.0
 """The emulated pods' grace period (Kubernetes' default is 30 s): a drained pod's workers save
 within it less 2 s, then its agent exits; six ranks on two loaded cores can need over 10 s."""
@@ -93,8 +94,11 @@ class NodeLoss:
     """Steps between memory-only snapshots (0: none)."""
     peer_replica: bool = True
     """Use the peer memory tier (False: ``--no-peer-replica``)."""
-    train_args: tuple[str, ...] = ("--seq-len", "32", "--batch-size", "4", "--no-inprocess")
-    """More arguments of the reference training script."""
+    handover: bool = True
+    """Hand the surviving workers over to the next round (False: ``--no-ft-handover``)."""
+    train_args: tuple[str, ...] = ("--seq-len", "32", "--batch-size", "4")
+    """More arguments of the reference training script (the baseline adds ``--no-inprocess``:
+    Kubernetes and torchrun alone restart no worker in-process)."""
     keep_alive_s: float = 0.5
     """Rendezvous keep-alive interval."""
     keep_alive_attempts: int = 4
@@ -151,6 +155,7 @@ class NodeLoss:
             "5",
             *(["--snapshot-every", str(self.snapshot_every)] if self.snapshot_every else []),
             *([] if self.peer_replica else ["--no-peer-replica"]),
+            *(["--no-inprocess"] if self.baseline else []),
             *self.train_args,
         ]
 
@@ -171,7 +176,7 @@ class NodeLoss:
         spec = kspec.DeploySpec(
             name=self.name,
             image="emulated",
-            command=tuple(self.train_command()),
+            command=(*([] if self.handover else ["--no-ft-handover"]), *self.train_command()),
             nodes=str(self.nodes),
             spares=self.spares,
             nproc_per_node=self.nproc,
@@ -432,6 +437,7 @@ def main(a: argparse.Namespace) -> int:
             spares=1 if name.startswith("spare") else 0,
             snapshot_every=0 if name in ("clean", "baseline") else a.snapshot_every,
             peer_replica=name != "spare-disk",
+            handover=name != "spare-cold",
             lose=None if name == "clean" else a.lose,
             drain=a.drain,
             baseline=name == "baseline",
@@ -477,22 +483,3 @@ def main(a: argparse.Namespace) -> int:
         print(f"\nFAILED: {bad} did not finish with the clean run's state", file=sys.stderr)
         return 1
     return 0
-
-
-def format_table(rows: list[dict[str, Any]]) -> str:
-    head = (
-        f"{'config':<10} {'emulation':>9} {'lost node':>10} {'node loss -> training s':>24} "
-        f"{'lost':>4} {'restored from':<18} {'goodput':>8} {'wall s':>7} {'= clean':>8}"
-    )
-    lines = [head, "-" * len(head)]
-    for r in rows:
-        rec = "–" if r["recovery_s"] is None else f"{r['recovery_s']:.2f}"
-        gp = "–" if r["training_goodput"] is None else f"{100 * r['training_goodput']:.1f}%"
-        lost = "–" if r.get("steps_lost") is None else str(r["steps_lost"])
-        tiers = " ".join(f"{k}:{v}" for k, v in sorted((r.get("tiers") or {}).items())) or "–"
-        lines.append(
-            f"{r['config']:<10} {r['emulation']:>9} {r['lost'] or '–':>10} {rec:>24} {lost:>4} "
-            f"{tiers:<18} {gp:>8} "
-            f"{(r['wall_s'] or 0):>7.1f} {('yes' if r['matches_clean'] else 'NO'):>8}"
-        )
-    return "\n".join(lines)

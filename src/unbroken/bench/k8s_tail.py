@@ -1,6 +1,7 @@
 """What the node-loss benchmark reads of a running job: its ledger, tailed (new complete lines
 only), asked for the step rank 0 reached, the agents that reached or re-joined the rendezvous
-store, and the host of a group rank; and, after it, a drain's outage (``drain_outage``).
+store, and the host of a group rank; and, after it, a drain's outage (``drain_outage``) and
+the table of the runs (``format_table``).
 """
 
 from __future__ import annotations
@@ -101,3 +102,22 @@ def drain_outage(events: list[Any], since: float) -> float | None:
         if e.kind == ev.STEP and e.ts > start:
             firsts[e.rank] = min(firsts.get(e.rank, e.ts), e.ts)
     return max(firsts.values()) - max(saved) if firsts else None
+
+
+def format_table(rows: list[dict[str, Any]]) -> str:
+    head = (
+        f"{'config':<10} {'emulation':>9} {'lost node':>10} {'node loss -> training s':>24} "
+        f"{'lost':>4} {'restored from':<18} {'goodput':>8} {'wall s':>7} {'= clean':>8}"
+    )
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        rec = "–" if r["recovery_s"] is None else f"{r['recovery_s']:.2f}"
+        gp = "–" if r["training_goodput"] is None else f"{100 * r['training_goodput']:.1f}%"
+        lost = "–" if r.get("steps_lost") is None else str(r["steps_lost"])
+        tiers = " ".join(f"{k}:{v}" for k, v in sorted((r.get("tiers") or {}).items())) or "–"
+        lines.append(
+            f"{r['config']:<10} {r['emulation']:>9} {r['lost'] or '–':>10} {rec:>24} {lost:>4} "
+            f"{tiers:<18} {gp:>8} "
+            f"{(r['wall_s'] or 0):>7.1f} {('yes' if r['matches_clean'] else 'NO'):>8}"
+        )
+    return "\n".join(lines)

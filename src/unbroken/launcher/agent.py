@@ -35,6 +35,7 @@ from unbroken.launcher import failures as failures_
 from unbroken.launcher.args import JobSpec
 from unbroken.launcher.config import LauncherConfig
 from unbroken.launcher.errors import Failure
+from unbroken.launcher.handover import Handover
 from unbroken.launcher.machine import Machine, State, StopReason, Tick
 from unbroken.launcher.monitor import HeartbeatTracker
 from unbroken.launcher.rendezvous import JobOver, RoundInfo
@@ -102,6 +103,7 @@ class Agent:
         run_dir: Path,
         run_id: str,
         state_file: Path | None = None,
+        handover: Handover | None = None,
         clock: Callable[[], float] = time.monotonic,
         wall: Callable[[], float] = time.time,
     ) -> None:
@@ -114,6 +116,8 @@ class Agent:
         self.run_dir = run_dir
         self.run_id = run_id
         self.state_file = state_file
+        self.handover = handover
+        """Pauses this node's workers for the next round after a lost node (None: never)."""
         self.clock = clock
         self.wall = wall
         self.machine = Machine(
@@ -224,6 +228,13 @@ class Agent:
     def _start(self) -> None:
         assert self.info is not None
         self._spawned_wall = self.wall()
+        if self.handover is not None and self.handover.paused:
+            handed, exits = self.handover.hand_over(self.info)
+            self._record_exits(exits)
+            if handed is not None:
+                self._started(handed, handover=True)
+                return
+            self._record_exits(self.workers.stop(self.cfg.stop_grace_s))
         self.workers.interruptible(True)
         try:
             started = self.workers.start(self.info)
@@ -237,6 +248,10 @@ class Agent:
             return
         finally:
             self.workers.interruptible(False)
+        self._started(started, handover=False)
+
+    def _started(self, started: dict[int, tuple[int, int]], *, handover: bool) -> None:
+        assert self.info is not None
         self.tracker.begin_round(self.info.round, started, self.clock())
         self._launch_logged = False
         if self._restarting:
@@ -244,15 +259,12 @@ class Agent:
                 ev.RESTART_END,
                 layer="launcher",
                 round=self.info.round,
-                warm=self.workers.warm,
-                standby=self.workers.standby,
+                warm=handover or self.workers.warm,
+                standby=0 if handover else self.workers.standby,
+                **({"handover": True} if handover else {}),
             )
-        logger.info(
-            "round %d: started %d workers (%s)",
-            self.info.round,
-            len(started),
-            "warm" if self.workers.warm else "cold",
-        )
+        how = "handed over" if handover else "warm" if self.workers.warm else "cold"
+        logger.info("round %d: started %d workers (%s)", self.info.round, len(started), how)
         self.machine.started()
 
     def _membership(self, now: float) -> tuple[int, list[str], bool]:
@@ -398,7 +410,12 @@ class Agent:
     def _stop(self) -> None:
         if self.machine.stop_reason is not None and not self._stop_begin:
             self._stop_begin = self.wall()
-        exits = self.workers.stop(self._stop_grace())
+        paused = (
+            self.handover is not None
+            and self.cfg.handover
+            and self.handover.pause(self.info, self.machine.failures)
+        )
+        exits = [] if paused else self.workers.stop(self._stop_grace())
         self._record_exits(exits)
         ours = (signal.SIGTERM, signal.SIGKILL)
         self.machine.note(
@@ -408,7 +425,9 @@ class Agent:
                 if not x.ok and x.signum not in ours and x.exit_code != EXIT_PREEMPTED
             ]
         )
-        self._interval(self._stop_begin, name="stop", round=self.round, workers=len(exits))
+        self._interval(
+            self._stop_begin, name="stop", round=self.round, workers=len(exits), paused=paused
+        )
         self._stop_begin = 0.0
         if self.state_file is not None:
             self.tracker.observed.save(self.state_file)
@@ -417,6 +436,9 @@ class Agent:
             logger.info(
                 "restarting (%d of %d restarts used)", self.machine.restarts, self.spec.max_restarts
             )
+        elif paused and self.handover is not None:  # no next round here: the paused go
+            self.handover.refuse("the job ends on this node")
+            self._record_exits(self.workers.stop(self.cfg.stop_grace_s))
 
     def _finish(self) -> int:
         m = self.machine

@@ -23,6 +23,7 @@ from unbroken.launcher import bootstrap, errors, listen, nodecheck
 from unbroken.launcher import config as lconfig
 from unbroken.launcher.agent import Agent
 from unbroken.launcher.errors import Failure
+from unbroken.launcher.handover import Handover
 from unbroken.launcher.monitor import (
     STATE_FILE,
     HeartbeatServer,
@@ -310,6 +311,9 @@ def _run(spec: largs.JobSpec, cfg: largs.lconfig.LauncherConfig, run_dir: Path, 
         )
         if peers is not None:
             peers.local = workers.keeper.dup
+        handover = None
+        if spec.max_nodes > 1 and cfg.handover:
+            handover = Handover(lambda: rdzv.job_store, workers, nproc=spec.nproc_per_node)
         agent = Agent(
             spec=spec,
             cfg=cfg,
@@ -320,6 +324,7 @@ def _run(spec: largs.JobSpec, cfg: largs.lconfig.LauncherConfig, run_dir: Path, 
             run_dir=run_dir,
             run_id=run_id,
             state_file=state_file,
+            handover=handover,
         )
         return agent.run()
     finally:

@@ -100,6 +100,11 @@ class LauncherConfig:
     """Seconds between two looks at the rendezvous state while nodes gather (torch polls 1 s)."""
     membership_check_s: float = 1.0
     """Seconds between two checks, while training, for a lost node or a node waiting to join."""
+    handover: bool = True
+    """After another node is lost, keep this node's workers: they leave the training function
+    and take their ranks in the next round in-process (``unbroken.restart.handover``) instead of
+    being replaced by new processes, which start cold. Scripts without in-process restart are
+    stopped and restarted as before."""
 
     def __post_init__(self) -> None:
         for f in fields(self):

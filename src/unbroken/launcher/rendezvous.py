@@ -4,21 +4,21 @@ Membership and group ranks come from torch's ``DynamicRendezvousHandler`` on a c
 (the *job store*, hosted by the agent whose address matches the endpoint, alive for the whole
 job; workers get its address as ``UNBROKEN_STORE_ADDR``). On top of each completed round:
 
-- the agent of group rank 0 draws the round id from a job-wide counter in the job store
+- the agent torch ranks 0 draws the round id from a job-wide counter in the job store
   (``unbroken/<rdzv_id>/round``), so every agent and worker agrees on it;
-- that agent starts a brand-new TCPStore server on a free port for the round's workers
-  (both stores an agent hosts listen where ``listen.bind_address`` says: loopback for a
-  single-node job)
+- that agent numbers the nodes: a node keeps its group rank while it is free, so a hot spare
+  takes the lost node's and the others' workers keep their ranks (``grouprank``);
+- it starts a brand-new TCPStore server on a free port for the round's workers (both stores
+  an agent hosts listen where ``listen.bind_address`` says: loopback for a single-node job)
   (``MASTER_ADDR``/``MASTER_PORT``, ``TORCHELASTIC_USE_AGENT_STORE=True``) and publishes its
   address under a round-scoped key. A worker of round N can never read a key a worker of
   round N-1 wrote, so no restarted worker dials a dead peer's stale address
   (pytorch/pytorch#135712), whatever prefix the script uses;
 - agents exchange their worker counts, so global ranks are contiguous per node.
 
-A single-node job (``--nnodes 1``) runs torch's rendezvous once, at start-up: no other node
-can join it, so a restart's round only draws the next round id and starts a fresh worker
-store (``_alone``), without the store traffic of a rendezvous round (tens of milliseconds) or
-torch's random 0-0.3 s start skew.
+A single-node job (``--nnodes 1``) runs torch's rendezvous once, at start-up: a restart's round
+only draws the next round id and starts a fresh worker store (``_alone``), without the store
+traffic of a rendezvous round (tens of milliseconds) or torch's random 0-0.3 s start skew.
 
 Speed of a multi-node round. A lost node is dropped when its keep-alive is
 ``keep_alive_interval`` x ``keep_alive_max_attempt`` old (``--rdzv-conf``; fractions of a second
@@ -53,7 +53,7 @@ from datetime import timedelta
 from typing import Any, Protocol
 
 from unbroken import env as uenv
-from unbroken.launcher import departure, listen, rdzvconf, storelink
+from unbroken.launcher import departure, grouprank, listen, rdzvconf, storelink
 from unbroken.launcher.args import JobSpec
 from unbroken.launcher.errors import LauncherError
 from unbroken.ledger import NULL, Recorder
@@ -201,6 +201,7 @@ class C10dRendezvous:
         self._worker_store: Any = None
         self._rounds = 0
         self._joined = False
+        self._group_rank = -1  # ours in the last round (stable_ranks)
         self._members: set[Any] = set()
         self._last_round: int | None = None
         self._reconnect: storelink.Reconnect | None = None
@@ -336,24 +337,28 @@ class C10dRendezvous:
                 raise JobOver(f"the rendezvous {self.spec.rdzv_id!r} is closed: {e}") from e
             raise
         self._joined = True
-        rstore, group_rank, group_world = info.store, info.rank, info.world_size
+        rstore: Any = info.store  # a PrefixStore (mypy's Store base lacks multi_set)
+        torch_rank, group_world = info.rank, info.world_size
         timeout = timedelta(seconds=self.timeout_s)
         rstore.set_timeout(timeout)
-        rstore.set(f"unbroken/nproc/{group_rank}", str(self.spec.nproc_per_node))
-        rstore.set(f"unbroken/peer/{group_rank}", str(self.peers.peer) if self.peers else "")
-        if group_rank == 0:
+        mine = (self.spec.nproc_per_node, self.peers.peer if self.peers else "", self._group_rank)
+        names = ("nproc", "peer", "was")
+        rstore.multi_set([f"unbroken/{n}/{torch_rank}" for n in names], [str(v) for v in mine])
+        if torch_rank == 0:
             published: dict[str, Any] = self._open_round()
+            was = rstore.multi_get([f"unbroken/was/{i}" for i in range(group_world)])
+            published["ranks"] = grouprank.stable_ranks([int(v) for v in was])
             rstore.set("unbroken/round", json.dumps(published))
         else:
             published = json.loads(rstore.get("unbroken/round"))
         self._members = set(self._state().participants) if self._state() is not None else set()
-        counts = [
-            int(v) for v in rstore.multi_get([f"unbroken/nproc/{i}" for i in range(group_world)])
-        ]
-        peers = [
-            bytes(v).decode()
-            for v in rstore.multi_get([f"unbroken/peer/{i}" for i in range(group_world)])
-        ]
+        ranks = [int(r) for r in published["ranks"]]  # torch's order -> ours
+        group_rank = self._group_rank = ranks[torch_rank]
+        keys = [f"unbroken/{n}/{i}" for n in names[:2] for i in range(group_world)]
+        got = [bytes(v).decode() for v in rstore.multi_get(keys)]
+        counts, peers = [0] * group_world, [""] * group_world
+        for i, r in enumerate(ranks):
+            counts[r], peers[r] = int(got[i]), got[group_world + i]
         if self.peers is not None:
             self.peers.begin_round(int(published["round"]))
         self.job_store.set_timeout(self._op_timeout)

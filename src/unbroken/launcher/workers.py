@@ -29,6 +29,7 @@ from unbroken import env as uenv
 from unbroken.launcher import bootstrap, errors
 from unbroken.launcher.args import JobSpec
 from unbroken.launcher.config import LauncherConfig
+from unbroken.launcher.handover import Handed
 from unbroken.launcher.keeper import MemoryKeeper
 from unbroken.launcher.logs import Tee
 from unbroken.launcher.monitor import HeartbeatServer
@@ -91,6 +92,10 @@ def _signal_group(pid: int, sig: int) -> None:
             os.kill(pid, sig)
     except PermissionError:
         pass
+
+
+_ROUND_ONLY = (uenv.UNBROKEN_PEERS, uenv.UNBROKEN_HANDOVER)
+"""Names a round may leave out of a worker's environment (a handed-over worker unsets them)."""
 
 
 class LocalWorkers:
@@ -174,7 +179,42 @@ class LocalWorkers:
         e[uenv.UNBROKEN_MEMORY_KEEPER] = self.keeper.addr
         if info.peers:
             e[uenv.UNBROKEN_PEERS] = ",".join(info.peers)
+        handover = self.handover_prefix(info, local_rank)
+        if handover is not None:
+            e[uenv.UNBROKEN_HANDOVER] = handover
         return e
+
+    def handover_prefix(self, info: RoundInfo, local_rank: int) -> str | None:
+        """A worker's key prefix in the job store for its handover to the next round
+        (``unbroken.restart.handover``); None in a single-node job, where no node is lost."""
+        if self.spec.max_nodes <= 1:
+            return None
+        rank = info.rank_offset + local_rank
+        return f"unbroken/{self.spec.rdzv_id}/handover/r{info.round}/{rank}/"
+
+    def hand_over(self, info: RoundInfo) -> tuple[dict[int, Handed] | None, list[WorkerExit]]:
+        """The running workers become those of round ``info`` (same processes, new ranks).
+
+        Returns:
+            Each worker's rank, pid and environment changes in the round (what differs from
+            the agent's own environment), or None when a worker has exited (listed second:
+            the exits reaped here), and then nothing changed.
+        """
+        exits = self._reap()
+        if len(self.running()) != self.spec.nproc_per_node:
+            return None, exits
+        self.keeper.begin_round(info.round)
+        out = {}
+        for lr, h in self.handles.items():
+            h.rank = info.rank_offset + lr
+            wdir = self.worker_dir(info, h.rank)
+            wdir.mkdir(parents=True, exist_ok=True)
+            h.error_file = wdir / "error.json"
+            h.error_file.unlink(missing_ok=True)
+            env = self.worker_env(info, lr, h.error_file)
+            changed = {k: v for k, v in env.items() if self.base_env.get(k) != v}
+            out[lr] = Handed(h.rank, h.pid, changed, [k for k in _ROUND_ONLY if k not in env])
+        return out, exits
 
     # --- start -------------------------------------------------------------------------------
     def start(self, info: RoundInfo) -> dict[int, tuple[int, int]]:

@@ -8,7 +8,8 @@ abort, tear down), ``monitor`` + ``interrupt`` (the threads that watch and stop 
 ``watchdog`` (hang decisions), ``health`` (checks), ``assign`` (culprit, limits, new ranks),
 ``context`` (what ``fn`` gets: its place, ``step_done``, named ``phase``s), ``config``
 (configuration, errors, exit codes), ``calibrate`` (learned timeouts, per phase too), ``solo``
-(``fn`` once, when in-process restart is off: the launcher-only configuration).
+(``fn`` once, when in-process restart is off: the launcher-only configuration), ``handover``
+(the node agent's handover of a worker to its next round, after another node is lost).
 
 Imports torch; never the workload, the checkpoint module or the launcher. Imports of ours:
 ``unbroken.errors``, ``unbroken.env``, ``unbroken.ledger``, ``unbroken.mask``.

@@ -28,6 +28,7 @@ STUCK = "stuck"  # watchdog: no progress, no Python running
 PEER = "peer"  # interrupted because another rank reported a fault
 PG_INIT = "pg_init"  # the process group could not be formed
 STOP = "stop"  # fn stopped on purpose, every rank at the same step (a graceful preemption)
+HANDOVER = "handover"  # the node agent hands the worker to the next round (restart.handover)
 
 STATUS_OK = "ok"
 STATUS_RESTART = "restart"

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -29,15 +30,40 @@ from unbroken.restart.store import Keys
 logger = logging.getLogger(__name__)
 
 
+WAIT_SLICE_S = 0.1
+"""How often a barrier that can be interrupted asks whether it is."""
+
+
+class Interrupted(Exception):  # noqa: N818 - a control-flow signal
+    """A barrier was left because ``interrupted()`` said so (the worker is handed over)."""
+
+
 def wait_for(
-    client: Any, keys: Sequence[str], members: Sequence[int], *, timeout_s: float
+    client: Any,
+    keys: Sequence[str],
+    members: Sequence[int],
+    *,
+    timeout_s: float,
+    interrupted: Callable[[], bool] | None = None,
 ) -> list[int]:
     """Wait until every key exists; returns the members whose key exists (all, or those there
-    when ``timeout_s`` ran out)."""
-    try:
-        client.wait(list(keys), timedelta(seconds=timeout_s))
-        return list(members)
-    except (RuntimeError, dist.DistStoreError):
+    when ``timeout_s`` ran out). With ``interrupted``, asked every ``WAIT_SLICE_S``: True
+    raises ``Interrupted``."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        began = time.monotonic()
+        wait_s = max(0.001, deadline - began)
+        if interrupted is not None:
+            wait_s = min(wait_s, WAIT_SLICE_S)
+        try:
+            client.wait(list(keys), timedelta(seconds=wait_s))
+            return list(members)
+        except (RuntimeError, dist.DistStoreError):
+            if interrupted is not None and interrupted():
+                raise Interrupted from None
+            now = time.monotonic()
+            if now < deadline and now - began >= wait_s / 2:  # a slice ran out: wait on
+                continue
         arrived = [m for m, k in zip(members, keys, strict=True) if client.check([k])]
         logger.warning(
             "barrier timed out after %.1fs; present: %s of %s", timeout_s, arrived, list(members)
@@ -57,6 +83,8 @@ class Between:
     local_rank: int
     health_summary: dict[str, Any] = field(default_factory=dict)
     """This rank's last health results, for the ledger."""
+    interrupted: Callable[[], bool] | None = None
+    """Asked while a barrier waits: True leaves it (``Interrupted``)."""
 
     def agree(
         self,
@@ -75,6 +103,7 @@ class Between:
             [keys.exit(it, m) for m in members],
             members,
             timeout_s=self.config.barrier_timeout_s,
+            interrupted=self.interrupted,
         )
         agreed = client.compare_set(keys.present(it), "", json.dumps(arrived))
         present = [int(m) for m in json.loads(agreed)]
@@ -122,7 +151,13 @@ class Between:
         }
         keys = [self.keys.health(iteration, m) for m in present]
         self.client.set(self.keys.health(iteration, self.member), json.dumps({"ok": ok}))
-        arrived = wait_for(self.client, keys, present, timeout_s=self.config.barrier_timeout_s)
+        arrived = wait_for(
+            self.client,
+            keys,
+            present,
+            timeout_s=self.config.barrier_timeout_s,
+            interrupted=self.interrupted,
+        )
         raws = self.client.multi_get([self.keys.health(iteration, m) for m in arrived])
         return {m: bool(json.loads(r)["ok"]) for m, r in zip(arrived, raws, strict=True)}
 

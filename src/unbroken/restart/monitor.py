@@ -239,7 +239,25 @@ class Monitor:
         if self.interrupter.interrupt():
             self._last_interrupt = time.monotonic()
 
+    def hand_over(self, why: str) -> None:
+        """The node agent hands this worker to the next round (``restart.handover``): ``fn`` is
+        interrupted as for a peer's fault; no fault is recorded here (the agent records the
+        lost node). Any thread; nothing happens between iterations (the barrier asks)."""
+        with self._lock:
+            armed = self._armed
+        if armed is not None:
+            detection = Detection(
+                kind=assign.HANDOVER,
+                detector="launcher",
+                message=f"handed over to the next round: {why}",
+                fault_rank=-1,
+                origin=False,
+            )
+            self.request_restart(detection, armed)
+
     def _emit_detected(self, d: Detection) -> None:
+        if d.kind == assign.HANDOVER:
+            return
         self.ledger.emit(
             ev.FAULT_DETECTED,
             cause=d.kind,

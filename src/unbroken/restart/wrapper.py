@@ -13,6 +13,9 @@ One iteration, on every rank (main thread):
    ranks and go to 1, or escalate;
 4. a rank left out raises ``RankExcluded``; on escalation every rank raises ``Escalated``.
 
+When another node is lost, its agent may pause this worker (``handover``): ``fn`` is interrupted
+as for a peer's fault, and ``run`` raises ``NewRound`` once the next round has formed.
+
 With ``RestartConfig(enabled=False)`` none of this happens: ``fn`` runs once (``solo``).
 
 A configuration error is not a fault: no restart fixes it. ``fn`` raising ``ConfigError``, or
@@ -47,7 +50,7 @@ from unbroken.errors import ConfigError, Preempted, stop_job_of
 from unbroken.ledger import NULL, Recorder
 from unbroken.ledger import events as ev
 from unbroken.restart import assign, pg, solo
-from unbroken.restart.barrier import Between
+from unbroken.restart.barrier import Between, Interrupted
 from unbroken.restart.calibrate import Calibrator, state_path
 from unbroken.restart.config import (
     Escalated,
@@ -57,6 +60,7 @@ from unbroken.restart.config import (
     RestartInterrupt,
 )
 from unbroken.restart.context import RestartCause, RestartContext
+from unbroken.restart.handover import Handover
 from unbroken.restart.health import default_checks
 from unbroken.restart.interrupt import Interrupter
 from unbroken.restart.monitor import Armed, Monitor
@@ -184,6 +188,7 @@ class _Runner:
         self.gc_frozen = gc_frozen
         self.interrupter = Interrupter()
         self.monitor: Monitor | None = None
+        self.handover: Handover | None = None
         self.host, must_register = locate(
             env, keys=self.keys, override=config.store_addr, timeout_s=config.store_timeout_s
         )
@@ -198,6 +203,7 @@ class _Runner:
                 checks=self.checks,
                 member=self.member,
                 local_rank=env.local_rank,
+                interrupted=self._paused,
             )
             calibrator = Calibrator(
                 config,
@@ -212,7 +218,15 @@ class _Runner:
                 calibrator=calibrator,
                 on_waiting=on_waiting,
             )
+            if env.handover:
+                self.handover = Handover(
+                    functools.partial(self.host.client, timeout_s=config.store_timeout_s),
+                    env.handover,
+                    on_pause=self.monitor.hand_over,
+                )
         except BaseException:
+            if self.monitor is not None:
+                self.monitor.close()
             self.host.close()
             raise
 
@@ -225,6 +239,8 @@ class _Runner:
             rank = self.members.index(self.member)
             self.ledger.set_context(rank=rank, iteration=iteration)
             record, value, begun = self._iterate(iteration, rank, cause, restart_t0)
+            if self._paused():
+                raise self._hand_over()
             if record.kind != assign.OK and self.stopping is not None and self.stopping():
                 pg.teardown(self.reaper, abort=True)
                 # The launcher stops this worker to restart it: not a restart that failed.
@@ -233,7 +249,10 @@ class _Runner:
                 stop.unwound = True
                 raise stop
             t_agree = time.time()
-            decision = self._agree(iteration, record)
+            try:
+                decision = self._agree(iteration, record)
+            except Interrupted:
+                raise self._hand_over() from None
             if decision.status == assign.STATUS_OK:
                 pg.teardown(self.reaper, abort=False)
                 return value
@@ -365,8 +384,8 @@ class _Runner:
                 member=self.member, rank=rank, kind=assign.OK, last_step=ctx.last_step
             )
             return record, outcome.value, None
-        began = None  # a graceful stop (Preempted) begins no restart
-        if detection.kind != assign.STOP:
+        began = None  # a graceful stop (Preempted) or a handover begins no restart here
+        if detection.kind not in (assign.STOP, assign.HANDOVER):
             began = self._restart_begin(
                 cause_kind=detection.kind,
                 detector=detection.detector,
@@ -434,6 +453,17 @@ class _Runner:
         )
         return time.time()
 
+    # --- handed over to the next round (restart.handover) -------------------------------------
+    def _paused(self) -> bool:
+        return self.handover is not None and self.handover.paused is not None
+
+    def _hand_over(self) -> BaseException:
+        """What to raise once the next round has formed (``NewRound``, or ``Preempted``)."""
+        assert self.handover is not None
+        pg.teardown(self.reaper, abort=True)
+        stopping = self.stopping or (lambda: False)
+        return self.handover.leave(self.ledger, round_=self.env.restart_count, stopping=stopping)
+
     # --- between iterations ------------------------------------------------------------------
     def _agree(self, iteration: int, record: assign.ExitRecord) -> assign.Decision:
         try:
@@ -451,6 +481,8 @@ class _Runner:
 
     # --- the end -----------------------------------------------------------------------------
     def close(self) -> None:
+        if self.handover is not None:
+            self.handover.close()
         if self.monitor is not None:
             self.monitor.close()
         if dist.is_initialized():
