@@ -4,6 +4,7 @@ exceptions and hangs restart ``fn``; swallowed interrupts, raising finally block
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import sys
@@ -284,4 +285,54 @@ def test_restarts_free_what_fn_built(store_addr: str) -> None:
 def test_run_leaves_no_threads(store_addr: str) -> None:
     before = set(threading.enumerate())
     run(lambda ctx: ctx.step_done(0), config=config(store_addr), env=ENV)
+    assert [t.name for t in set(threading.enumerate()) - before] == []
+
+
+def test_a_worker_held_by_its_agent_leaves_fn_and_takes_the_next_rounds_environment(
+    store_addr: str, tmp_path: Path
+) -> None:
+    """Another node lost: the agent holds this worker (``restart.handover``). ``fn``, blocked in
+    a loop, is interrupted as for a peer's fault, no fault of its own recorded; once the agent
+    writes the next round, ``run`` raises ``NewRound`` with it; no thread is left."""
+    import json
+    from datetime import timedelta
+
+    from unbroken.restart.handover import NewRound
+
+    prefix = "unbroken/job/handover/r0/0/"
+    env = dataclasses.replace(ENV, handover=prefix)
+    host, port = store_addr.rsplit(":", 1)
+    agent = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=30))
+    calls = []
+
+    def fn(ctx: RestartContext) -> None:
+        calls.append(ctx.iteration)
+        dist.all_reduce(torch.ones(2))
+        ctx.step_done(0)
+        agent.wait([prefix + "ready"])
+        agent.set(prefix + "hold", json.dumps({"why": "node b left"}))
+        _spin()
+
+    def answer() -> None:
+        agent_thread = dist.TCPStore(host, int(port), is_master=False)
+        agent_thread.wait([prefix + "hold"])
+        time.sleep(0.2)  # the round forms meanwhile
+        agent_thread.set(prefix + "next", json.dumps({"env": {"RANK": "0"}, "unset": []}))
+
+    before = set(threading.enumerate())
+    answering = threading.Thread(target=answer)
+    answering.start()
+    ledger = Ledger(tmp_path, run="inproc", rank=0)
+    try:
+        with pytest.raises(NewRound) as new:
+            run(fn, config=config(store_addr), ledger=ledger, env=env)
+    finally:
+        ledger.close()
+        answering.join(10)
+    assert new.value.env == {"RANK": "0"} and calls == [0] and not dist.is_initialized()
+    events = read_events(tmp_path)
+    assert not [e for e in events if e.kind == "fault_detected"]
+    [begin] = [e for e in events if e.kind == "restart_begin"]
+    assert (begin.get("layer"), begin.get("cause")) == ("launcher", "handover")
+    assert begin.get("why") == "node b left"
     assert [t.name for t in set(threading.enumerate()) - before] == []
