@@ -26,8 +26,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from unbroken.env import HANDOVER_NEXT as NEXT
 from unbroken.env import HANDOVER_HOLD as HOLD
+from unbroken.env import HANDOVER_NEXT as NEXT
 from unbroken.env import HANDOVER_READY as READY
 
 logger = logging.getLogger(__name__)

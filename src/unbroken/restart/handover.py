@@ -31,8 +31,8 @@ from collections.abc import Callable, Mapping
 from datetime import timedelta
 from typing import Any
 
-from unbroken.env import HANDOVER_NEXT as NEXT
 from unbroken.env import HANDOVER_HOLD as HOLD
+from unbroken.env import HANDOVER_NEXT as NEXT
 from unbroken.env import HANDOVER_READY as READY
 from unbroken.env import RANK, RESTART_COUNT
 from unbroken.errors import Preempted
