@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import threading
 from datetime import timedelta
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -23,14 +25,27 @@ ROUND0 = SimpleNamespace(round=0, rank_offset=2, world_size=6)
 ROUND1 = SimpleNamespace(round=1, rank_offset=2, world_size=6)
 
 
+@pytest.fixture(scope="module")
+def _server() -> Any:
+    return dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+
+
 @pytest.fixture
-def store() -> Any:
-    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    yield server
+def store(_server: Any, request: pytest.FixtureRequest) -> Any:
+    """One store for the module (a new server per test made some first connections wait
+    seconds), each test's keys under its own prefix."""
+    return SimpleNamespace(port=_server.port, prefix=f"{request.node.name}/")
+
+
+def _agent_store(store: Any) -> Any:
+    """The agent's one connection to the job store, as ``rdzv.job_store`` is."""
+    conn = _connect(store)
+    return lambda: conn
 
 
 def _connect(store: Any) -> Any:
-    return dist.TCPStore("127.0.0.1", store.port, is_master=False, timeout=timedelta(seconds=10))
+    client = dist.TCPStore("127.0.0.1", store.port, is_master=False, timeout=timedelta(seconds=10))
+    return dist.PrefixStore(store.prefix, client)
 
 
 class _Failure:
@@ -70,7 +85,7 @@ def test_a_paused_worker_is_interrupted_then_takes_the_next_rounds_environment(s
         )
         for rank in (2, 3)
     ]
-    agent = Handover(lambda: _connect(store), _Workers([0, 1]), nproc=2)
+    agent = Handover(_agent_store(store), _Workers([0, 1]), nproc=2)
     assert agent.pause(ROUND0, [_Failure(NODE_LOST)])
     both.wait(10)  # each listener called on_pause, from its own thread
     assert why[0].startswith("node_lost: node ft-0") and len(why) == 2
@@ -85,7 +100,7 @@ def test_a_paused_worker_is_interrupted_then_takes_the_next_rounds_environment(s
 
 
 def test_no_pause_unless_every_worker_runs_listens_and_only_nodes_were_lost(store: Any) -> None:
-    agent = Handover(lambda: _connect(store), _Workers([0, 1]), nproc=2)
+    agent = Handover(_agent_store(store), _Workers([0, 1]), nproc=2)
     assert not agent.pause(ROUND0, [_Failure(NODE_LOST)])  # nobody listens
     listeners = [
         Listener(lambda: _connect(store), f"unbroken/job/handover/r0/{r}/", on_pause=print)
@@ -93,7 +108,7 @@ def test_no_pause_unless_every_worker_runs_listens_and_only_nodes_were_lost(stor
     ]
     assert not agent.pause(ROUND0, [_Failure("exit")])  # a worker of ours failed
     assert not agent.pause(ROUND0, [_Failure(NODE_LOST), _Failure("hang")])
-    assert not Handover(lambda: _connect(store), _Workers([1]), nproc=2).pause(
+    assert not Handover(_agent_store(store), _Workers([1]), nproc=2).pause(
         ROUND0, [_Failure(NODE_LOST)]
     )
     assert agent.paused == [] and all(x.paused is None for x in listeners)
@@ -106,7 +121,7 @@ def test_a_worker_that_exited_while_paused_has_the_others_refused(store: Any) ->
         Listener(lambda: _connect(store), f"unbroken/job/handover/r0/{r}/", on_pause=print)
         for r in (2, 3)
     ]
-    agent = Handover(lambda: _connect(store), _Workers([0, 1], still=False), nproc=2)
+    agent = Handover(_agent_store(store), _Workers([0, 1], still=False), nproc=2)
     assert agent.pause(ROUND0, [_Failure(NODE_LOST)])
     handed, exits = agent.hand_over(ROUND1)
     assert handed is None and exits == ["exit"] and agent.paused == []
@@ -122,7 +137,7 @@ def test_workers_whose_ranks_moved_are_not_handed_over(store: Any) -> None:
         Listener(lambda: _connect(store), f"unbroken/job/handover/r0/{r}/", on_pause=print)
         for r in (2, 3)
     ]
-    agent = Handover(lambda: _connect(store), _Workers([0, 1]), nproc=2)
+    agent = Handover(_agent_store(store), _Workers([0, 1]), nproc=2)
     assert agent.pause(ROUND0, [_Failure(NODE_LOST)])
     moved = SimpleNamespace(round=1, rank_offset=0, world_size=6)
     assert agent.hand_over(moved) == (None, [])
@@ -172,3 +187,72 @@ def test_a_barrier_waiting_for_a_lost_node_is_left_when_interrupted(store: Any) 
         wait_for(client, ["k/0", "k/1"], [0, 1], timeout_s=60, interrupted=interrupted)
     # Not interrupted: the members there when the time ran out.
     assert wait_for(client, ["k/0", "k/1"], [0, 1], timeout_s=0.3, interrupted=lambda: False) == [0]
+
+
+def test_the_workers_handed_over_get_every_name_of_the_round_even_one_the_agent_has(
+    tmp_path: Path,
+) -> None:
+    """Real processes of a node (cold starts of ``sleep``): handed over to the next round, each
+    keeps its pid and gets the round's whole environment, ``RANK`` included although the
+    agent's own environment has the same value (a pod given ``RANK`` by its operator); the
+    peers of a round that has none are unset."""
+    import signal as signal_
+    import sys
+
+    from unbroken.launcher import args as largs
+    from unbroken.launcher.config import LauncherConfig
+    from unbroken.launcher.monitor import HeartbeatServer
+    from unbroken.launcher.rendezvous import RoundInfo
+    from unbroken.launcher.signals import SignalPipe
+    from unbroken.launcher.workers import LocalWorkers
+
+    spec = largs.JobSpec(
+        min_nodes=2,
+        max_nodes=3,
+        nproc_per_node=2,
+        rdzv_endpoint="127.0.0.1:0",
+        rdzv_id="job",
+        max_restarts=3,
+        entry=largs.Entrypoint(
+            kind="command", target=sys.executable, args=("-c", "import time; time.sleep(60)")
+        ),
+    )
+    heartbeats, signals = HeartbeatServer(), SignalPipe((signal_.SIGTERM,))
+    workers = LocalWorkers(
+        spec,
+        LauncherConfig(),
+        run_dir=tmp_path,
+        run_id="job",
+        heartbeats=heartbeats,
+        signals=signals,
+        zygote=None,
+        base_env={"PATH": "/usr/bin:/bin", "RANK": "2"},
+    )
+    first = RoundInfo(
+        round=0,
+        group_rank=1,
+        group_world_size=3,
+        rank_offset=2,
+        world_size=6,
+        master_addr="127.0.0.1",
+        master_port=1,
+        store_addr="127.0.0.1:2",
+        peers=("a:1#t", "b:1#t", "c:1#t"),
+    )
+    second = dataclasses.replace(first, round=1, master_port=3, peers=())
+    try:
+        started = workers.start(first)
+        handed, exits = workers.hand_over(second)
+        assert handed is not None and exits == []
+        assert {lr: (h.rank, h.pid) for lr, h in handed.items()} == started
+        env = handed[0].env
+        assert env["RANK"] == "2" and env["UNBROKEN_ROUND"] == "1" and env["MASTER_PORT"] == "3"
+        assert env["UNBROKEN_HANDOVER"] == "unbroken/job/handover/r1/2/"
+        assert handed[1].env["RANK"] == "3" and "PATH" not in env
+        assert handed[0].unset == ["UNBROKEN_PEERS"]
+        assert (tmp_path / "launcher" / "attempt_1" / "3").is_dir()
+    finally:
+        workers.stop(0.0)
+        workers.close()
+        heartbeats.close()
+        signals.close()

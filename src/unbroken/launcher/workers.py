@@ -145,8 +145,14 @@ class LocalWorkers:
         return base / f"attempt_{info.round}" / str(rank)
 
     def worker_env(self, info: RoundInfo, local_rank: int, error_file: Path) -> dict[str, str]:
+        """A worker's environment in round ``info``: the agent's, and ``round_env``."""
+        return {**self.base_env, **self.round_env(info, local_rank, error_file)}
+
+    def round_env(self, info: RoundInfo, local_rank: int, error_file: Path) -> dict[str, str]:
+        """What a worker of round ``info`` is told on top of the agent's environment (all of
+        it, also what equals the agent's own: a worker handed over gets exactly this)."""
         rank = info.rank_offset + local_rank
-        e = dict(self.base_env)
+        e: dict[str, str] = {}
         e.update(
             {
                 uenv.RANK: str(rank),
@@ -196,9 +202,9 @@ class LocalWorkers:
         """The running workers become those of round ``info`` (same processes, new ranks).
 
         Returns:
-            Each worker's rank, pid and environment changes in the round (what differs from
-            the agent's own environment), or None when a worker has exited (listed second:
-            the exits reaped here), and then nothing changed.
+            Each worker's rank, pid and environment in the round (``round_env``), or None when
+            a worker has exited (listed second: the exits reaped here), and then nothing
+            changed.
         """
         exits = self._reap()
         if len(self.running()) != self.spec.nproc_per_node:
@@ -211,9 +217,9 @@ class LocalWorkers:
             wdir.mkdir(parents=True, exist_ok=True)
             h.error_file = wdir / "error.json"
             h.error_file.unlink(missing_ok=True)
-            env = self.worker_env(info, lr, h.error_file)
-            changed = {k: v for k, v in env.items() if self.base_env.get(k) != v}
-            out[lr] = Handed(h.rank, h.pid, changed, [k for k in _ROUND_ONLY if k not in env])
+            env = self.round_env(info, lr, h.error_file)
+            unset = [k for k in _ROUND_ONLY if k not in env and k not in self.base_env]
+            out[lr] = Handed(h.rank, h.pid, env, unset)
         return out, exits
 
     # --- start -------------------------------------------------------------------------------

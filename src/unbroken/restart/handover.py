@@ -180,14 +180,17 @@ class Handover:
                 return stop
 
     def close(self) -> None:
-        """Stop listening (idempotent)."""
+        """Stop listening and close both connections (idempotent)."""
         if self._released:
             return
         self._released = True
         if self.paused is None:
             try:
                 self.client.set(self.prefix + HOLD, RELEASE)
-            except Exception as e:  # noqa: BLE001
+            except Exception as e:  # noqa: BLE001 - the listener ends with the store's loss
                 logger.warning("could not release the handover listener: %s", e)
-                return
         self._thread.join(5.0)
+        if self._thread.is_alive():
+            logger.warning("the handover listener did not stop")
+            return
+        self.client = self._listener = None
