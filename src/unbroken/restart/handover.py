@@ -68,6 +68,13 @@ class NewRound(Exception):  # noqa: N818 - a control-flow signal, as StopIterati
         logger.info("handed over to round %d as rank %d", attempt, rank)
 
 
+def _leaving(why: str) -> Preempted:
+    """Leave instead of going on (the agent stops this worker): nothing to save or wait for."""
+    stop = Preempted(why)
+    stop.unwound = True
+    return stop
+
+
 def parse_next(raw: bytes) -> NewRound | Preempted:
     """The agent's ``next`` value as what the worker does with it.
 
@@ -84,9 +91,7 @@ def parse_next(raw: bytes) -> NewRound | Preempted:
     if not isinstance(value, dict):
         raise ValueError(f"a handover is a JSON object, got {raw[:80]!r}")
     if "stop" in value:
-        stop = Preempted(f"not handed over to the next round: {value['stop']}")
-        stop.unwound = True
-        return stop
+        return _leaving(f"not handed over to the next round: {value['stop']}")
     env, unset = value.get("env"), value.get("unset", [])
     if not isinstance(env, dict) or not all(
         isinstance(k, str) and isinstance(v, str) for k, v in env.items()
@@ -159,9 +164,7 @@ class Handover:
         key = self.prefix + NEXT
         while True:
             if stopping():
-                stop = Preempted("asked to stop while waiting for the next round")
-                stop.unwound = True
-                return stop
+                return _leaving("asked to stop while waiting for the next round")
             try:
                 self.client.wait([key], _SLICE)
             except Exception:  # noqa: BLE001 - a timeout, or the store lost (asked below)
@@ -169,15 +172,11 @@ class Handover:
                     if not self.client.check([key]):
                         continue
                 except Exception as e:  # noqa: BLE001 - the agent stops this worker
-                    stop = Preempted(f"lost the store while waiting for the next round: {e}")
-                    stop.unwound = True
-                    return stop
+                    return _leaving(f"lost the store while waiting for the next round: {e}")
             try:
                 return parse_next(self.client.get(key))
             except ValueError as e:
-                stop = Preempted(f"a malformed handover: {e}")
-                stop.unwound = True
-                return stop
+                return _leaving(f"a malformed handover: {e}")
 
     def close(self) -> None:
         """Stop listening and close both connections (idempotent)."""
