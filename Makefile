@@ -30,8 +30,8 @@ browser:
 # they are CPU-bound in pytest itself and time nothing), then the multi-process tests, then the
 # serial ones (they measure time or CPU shares) alone; the slowest tests are listed at the end of
 # each part. TEST_WORKERS=N runs the multi-process part on N processes too: worth it with more
-# cores than the 2 a test's ranks use; on 2 cores those tests are CPU-bound (N=2 saved a fifth of
-# the time, and starved the timing-sensitive end-to-end tests of the other worker).
+# cores than the 2 a test's ranks use; on 2 cores those tests are CPU-bound, and two processes
+# starve the timing-sensitive end-to-end tests of the other one.
 UNIT_WORKERS ?= 2
 TEST_WORKERS ?= 1
 xdist = $(if $(filter-out 1,$(1)),-n $(1) --dist worksteal)

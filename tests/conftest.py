@@ -18,7 +18,9 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
-from procs import children, launchpad_pid  # noqa: E402
+from procs import children, launchpad_pid, route_pods  # noqa: E402
+
+route_pods()  # the emulated pods' agents start from the launch server too
 
 TESTS = Path(__file__).parent
 TIERS = ("unit", "distributed", "e2e")

@@ -1,29 +1,54 @@
-"""The test suite's launch server: ``python -m unbroken.launcher.cli`` without an interpreter
-start and a torch import per launch.
+"""The test suite's launch server: ``python -m MODULE`` without an interpreter start and a torch
+import per launch.
 
 Started once per pytest process (``procs.run`` starts it on first use), it imports the launcher
 and the warm pool's preload modules, then serves launches over a Unix socket: each request
-(arguments, environment, working directory, and the write end of the output pipe, passed as a
-file descriptor) is forked into a supervisor that forks the agent (a new session, its output to
-the pipe), waits for it and sends back its pid and exit status. The agent, holding every preload
-module already, forks its warm pool instead of starting one (``unbroken.launcher.forked``);
-everything after that (rendezvous, workers, faults, restarts) is what ``unbroken-run`` runs.
-Launches through ``bin/unbroken-run``, under ``ip netns exec``, or with an environment that a
-starting interpreter would read differently (``PYTHON*``, ``OMP_NUM_THREADS``) do not come here.
+(the module, its arguments, environment and working directory, and the descriptors of its
+output passed along) is forked into a supervisor that forks the module's ``main`` (a new
+session), sends back its pid, relays the signals the requester sends, and sends its exit
+status. MODULE is one of ``SERVED`` (``unbroken.launcher.cli`` by default) or a script's path
+(``python SCRIPT.py``: a rank of a job without a launcher, as the benches' baselines run). An agent, holding every preload module already, forks its warm pool
+instead of starting one (``unbroken.launcher.forked``); everything after that (rendezvous,
+workers, faults, restarts) is what ``unbroken-run`` runs. torchrun's workers start as torchrun
+starts them (interpreters of their own).
+
+A request with ``join`` runs the module in the requester's namespaces (network, hostname,
+PID, mounts): ``padclient.py``, the command of an emulated pod's container, asks for that, so
+the module runs inside the pod as its own process would, and dies with the pod.
+
+Launches through ``bin/unbroken-run``, or with an environment that a starting interpreter would
+read differently (``PYTHON*``, ``OMP_NUM_THREADS``) do not come here.
 
 ``python tests/launchpad.py SOCKET``: serve until the parent (pytest) dies.
 """
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
+import importlib
 import json
 import os
+import runpy
+import select
 import signal
 import socket
 import struct
 import sys
+import traceback
+from collections.abc import Callable
+from typing import Any
 
 _HEADER = struct.Struct("!I")
+SERVED = (
+    "unbroken.launcher.cli",
+    "unbroken.cli",
+    "unbroken.observe",
+    "unbroken.workload.train",
+    "torch.distributed.run",
+)
+"""The modules this server runs (and scripts: ``python SCRIPT.py``)."""
+CLIENT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "padclient.py")
 
 
 def send(sock: socket.socket, obj: object, fds: list[int] = ()) -> None:
@@ -56,32 +81,123 @@ def recv(sock: socket.socket, *, with_fds: bool = False) -> tuple[object, list[i
     return (None if body is None else json.loads(body)), fds
 
 
-def _supervise(conn: socket.socket, req: dict, out: int) -> None:
-    """Fork the agent, ``python -m unbroken.launcher.cli ARGS`` in its own session with its
-    output to ``out``; send back its pid, then its exit status."""
-    from unbroken.launcher import cli, forked
+_CLONE = {"net": 0x40000000, "uts": 0x04000000, "pid": 0x20000000, "mnt": 0x00020000}
+"""The namespaces a ``join`` enters, the mounts last (``/proc`` paths change with them)."""
 
-    def agent() -> None:
+
+def _join(pid: int) -> None:
+    """Enter the namespaces of process ``pid`` that differ from this one's (Python 3.11 has no
+    ``os.setns``); the PID namespace holds this process's children to come."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    fds = {}
+    for ns in _CLONE:
+        theirs = f"/proc/{pid}/ns/{ns}"
+        if os.stat(theirs).st_ino != os.stat(f"/proc/self/ns/{ns}").st_ino:
+            fds[ns] = os.open(theirs, os.O_RDONLY)
+    for ns, fd in fds.items():
+        if libc.setns(fd, _CLONE[ns]) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"setns({ns}) into pid {pid}: {os.strerror(err)}")
+        os.close(fd)
+
+
+def _main(module: str) -> tuple[Callable[[list[str]], object], str]:
+    """The module's ``main(argv)`` and its file (a script: one that runs it as ``__main__``)."""
+    if module.endswith(".py"):
+
+        def script(_args: list[str]) -> int:
+            runpy.run_path(module, run_name="__main__")
+            return 0
+
+        return script, module
+    if module == "unbroken.launcher.cli":
+        from unbroken.launcher import cli
+
+        return cli.main, cli.__file__
+    mod = importlib.import_module(module)
+    return mod.main, mod.__file__
+
+
+def _supervise(conn: socket.socket, req: dict, fds: list[int], server: str) -> None:
+    """Fork ``python -m MODULE ARGS`` in its own session with its output to ``fds`` (stdout,
+    and stderr if given); send back its pid, relay the signals asked for, send its exit status.
+    If the requester goes away first, the module's session is killed."""
+    from unbroken.launcher import forked
+
+    target = req.get("module", "unbroken.launcher.cli")
+    main, file = _main(target)
+    if req.get("join"):
+        peer = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
+        _join(peer[0])
+
+    def run() -> None:
         os.setsid()
-        os.dup2(out, 1)
-        os.dup2(out, 2)
-        os.close(out)
+        for std, fd in ((1, fds[0]), (2, fds[-1])):
+            os.dup2(fd, std)
+        for fd in set(fds):
+            os.close(fd)
         os.chdir(req["cwd"])
-        sys.path[0] = req["cwd"]  # as for ``python -m``
-        sys.argv = [cli.__file__, *req["args"]]
-        sys.exit(cli.main(req["args"]))
+        sys.path[0] = os.path.dirname(file) if file == target else req["cwd"]  # as python does
+        route_pods(lambda: server, os.environ.get("OMP_NUM_THREADS"))
+        sys.argv = [file, *req["args"]]
+        sys.exit(main(req["args"]))
 
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # the server's SIG_IGN would reap it
-    child = forked.fork(agent, env=req["env"], keep_fds=(out,), close=conn)
-    os.close(out)
+    child = forked.fork(run, env=req["env"], keep_fds=fds, close=conn)
+    for fd in set(fds):
+        os.close(fd)
     send(conn, {"pid": child.pid})
-    send(conn, {"returncode": child.wait()})
+    while child.poll() is None:
+        if not select.select([conn], [], [], 0.01)[0]:
+            continue
+        msg, _ = recv(conn)
+        if msg is None:  # the requester is gone (an emulated pod killed): so is the module
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(child.pid, signal.SIGKILL)
+            child.wait()
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(child.pid, msg["signal"])
+    send(conn, {"returncode": child.returncode})
+
+
+def served_argv(argv: list[str]) -> list[str] | None:
+    """``[MODULE or SCRIPT, ARGS...]`` when ``argv`` is this Python running what is served (a
+    script named by its absolute path)."""
+    if argv[:1] != [sys.executable] or len(argv) < 2:
+        return None
+    if argv[1] == "-m" and len(argv) > 2 and argv[2] in SERVED:
+        return argv[2:]
+    if argv[1].endswith(".py") and os.path.isabs(argv[1]) and os.path.isfile(argv[1]):
+        return argv[1:]
+    return None
+
+
+def route_pods(path: Callable[[], str | None], omp: str | None) -> None:
+    """Start the emulated pods' ``python -m MODULE`` containers (MODULE served here, torch's
+    thread count ``omp``) as ``padclient.py`` commands: the module forked from the server at
+    ``path()`` (None: the server is off) into the pod. Installed once per process."""
+    from unbroken.k8s.emulate import pod
+
+    start = pod.Pod.start
+    if getattr(start, "routed", False):
+        return
+
+    def routed(self: pod.Pod, argv: list[str], **kw: Any) -> None:
+        served = served_argv(argv)
+        if served and kw["env"].get("OMP_NUM_THREADS") == omp and (server := path()):
+            argv = [sys.executable, "-S", "-E", CLIENT, server, *served]
+        start(self, argv, **kw)
+
+    routed.routed = True  # type: ignore[attr-defined]
+    pod.Pod.start = routed  # type: ignore[method-assign]
 
 
 def serve(path: str) -> None:
     import gc
     import importlib
 
+    from unbroken.k8s.emulate import pod  # noqa: F401
     from unbroken.launcher import bootstrap, cli, config, rendezvous  # noqa: F401
 
     bootstrap.set_pdeathsig(signal.SIGKILL)  # dies with pytest
@@ -97,10 +213,12 @@ def serve(path: str) -> None:
     while True:
         conn, _ = srv.accept()
         req, fds = recv(conn, with_fds=True)
-        if req is not None and len(fds) == 1 and os.fork() == 0:
+        if req is not None and 1 <= len(fds) <= 2 and os.fork() == 0:
             srv.close()
             try:
-                _supervise(conn, req, fds[0])
+                _supervise(conn, req, fds, path)
+            except BaseException:
+                traceback.print_exc()
             finally:
                 os._exit(0)
         conn.close()

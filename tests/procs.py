@@ -18,11 +18,21 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from launchpad import served_argv
 from unbroken.env import WorkerEnv
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 VENV_BIN = Path(sys.executable).parent
 LAUNCHER = [sys.executable, "-m", "unbroken.launcher.cli"]
+TORCHRUN = str(VENV_BIN / "torchrun")
+
+
+def _served(cmd: list[str]) -> tuple[str, list[str]] | None:
+    """The module (or script) and arguments of ``cmd`` when the launch server can run it."""
+    if cmd[:1] == [TORCHRUN]:
+        return "torch.distributed.run", cmd[1:]
+    served = served_argv(cmd)
+    return None if served is None else (served[0], served[1:])
 
 
 @dataclass
@@ -63,10 +73,13 @@ def run(
     cmd: list[str], *, timeout_s: float, env: dict[str, str] | None = None, cwd: Path | None = None
 ) -> Result:
     """Run ``cmd`` (in ``cwd``) to completion; on timeout kill its whole process group and fail.
-    ``python -m unbroken.launcher.cli ...`` goes through the launch server (``launchpad``)."""
+    ``python -m MODULE ...`` (MODULE one of ``launchpad.SERVED``), ``python SCRIPT.py ...`` and
+    ``torchrun ...`` go through the launch server (``launchpad``)."""
     env = env or worker_env()
-    if cmd[:3] == LAUNCHER and (pad := launchpad(env)) is not None:
-        return pad.run(cmd[3:], env=env, cwd=cwd or Path.cwd(), timeout_s=timeout_s)
+    served = _served(cmd)
+    if served is not None and (pad := launchpad(env)) is not None:
+        module, args = served
+        return pad.run(args, env=env, cwd=cwd or Path.cwd(), timeout_s=timeout_s, module=module)
     proc = subprocess.Popen(
         cmd,
         cwd=cwd,
@@ -200,43 +213,77 @@ class Launchpad:
         self.proc.wait()
         shutil.rmtree(self.dir, ignore_errors=True)
 
-    def run(self, args: list[str], *, env: dict[str, str], cwd: Path, timeout_s: float) -> Result:
+    def start(self, args: list[str], *, env: dict[str, str], cwd: Path, module: str) -> Launched:
+        """Start ``python -m module args`` (``module`` a script's path: ``python module args``)
+        from the server, its output to a pipe of ours."""
         from launchpad import recv, send
 
         r, w = os.pipe()
-        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
+        conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
             conn.connect(self.path)
             try:
-                send(conn, {"args": args, "env": env, "cwd": str(cwd)}, [w])
+                send(conn, {"module": module, "args": args, "env": env, "cwd": str(cwd)}, [w])
             finally:
                 os.close(w)
             started = recv(conn)[0]
             assert started, f"the launch server did not start {args}: see {self.dir}/log"
-            pid = started["pid"]
-            out = bytearray()
-            deadline = time.monotonic() + timeout_s
-            try:
-                while select.select([r], [], [], max(0.0, deadline - time.monotonic()))[0]:
-                    chunk = os.read(r, 1 << 16)
-                    if not chunk:
-                        break
-                    out += chunk
-                else:
-                    with contextlib.suppress(ProcessLookupError):
-                        os.killpg(pid, signal.SIGKILL)
-                    text = out.decode(errors="replace")
-                    raise AssertionError(
-                        f"{args} timed out after {timeout_s}s; output:\n{text[-4000:]}"
-                    )
-                ended = recv(conn)[0]
-                assert ended, f"the launch server lost {args}: see {self.dir}/log"
-                returncode = ended["returncode"]
-            finally:
-                os.close(r)
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(pid, signal.SIGKILL)  # stragglers of the group, if any
+        except BaseException:
+            conn.close()
+            os.close(r)
+            raise
+        return Launched(started["pid"], conn, r, f"{module} {args}", self.dir / "log")
+
+    def run(
+        self,
+        args: list[str],
+        *,
+        env: dict[str, str],
+        cwd: Path,
+        timeout_s: float,
+        module: str = "unbroken.launcher.cli",
+    ) -> Result:
+        return self.start(args, env=env, cwd=cwd, module=module).result(timeout_s)
+
+
+class Launched:
+    """A launch from the server: ``pid`` (its session), then ``result``; always ``result``d."""
+
+    def __init__(self, pid: int, conn: socket.socket, out: int, what: str, log: Path) -> None:
+        self.pid = pid
+        self._conn, self._out, self._what, self._log = conn, out, what, log
+
+    def kill(self) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.pid, signal.SIGKILL)
+
+    def result(self, timeout_s: float) -> Result:
+        """Its exit status and output, once it ends; after ``timeout_s`` it is killed and the
+        test fails. Its session's stragglers are killed either way."""
+        from launchpad import recv
+
+        out = bytearray()
+        deadline = time.monotonic() + timeout_s
+        try:
+            while select.select([self._out], [], [], max(0.0, deadline - time.monotonic()))[0]:
+                chunk = os.read(self._out, 1 << 16)
+                if not chunk:
+                    break
+                out += chunk
+            else:
+                self.kill()
+                text = out.decode(errors="replace")
+                raise AssertionError(
+                    f"{self._what} timed out after {timeout_s}s; output:\n{text[-4000:]}"
+                )
+            ended = recv(self._conn)[0]
+            assert ended, f"the launch server lost {self._what}: see {self._log}"
+        finally:
+            os.close(self._out)
+            self._conn.close()
+            self.kill()  # stragglers of the group, if any
         text = out.decode(errors="replace").replace("\r\n", "\n")
-        return Result(returncode, text)
+        return Result(ended["returncode"], text)
 
 
 _PAD: list[Launchpad] = []
@@ -257,6 +304,19 @@ def launchpad(env: dict[str, str]) -> Launchpad | None:
         _PAD.append(Launchpad())
     pad = _PAD[0]
     return pad if _at_start(env) == _at_start(pad.env) else None
+
+
+def _pad_path() -> str | None:
+    pad = launchpad(worker_env())
+    return None if pad is None else pad.path
+
+
+def route_pods() -> None:
+    """Start the emulated pods' ``python -m`` containers from the launch server too
+    (``launchpad.route_pods``)."""
+    from launchpad import route_pods as route
+
+    route(_pad_path, worker_env()["OMP_NUM_THREADS"])
 
 
 def launchpad_pid() -> int | None:

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
 
+from procs import Launched, launchpad
 from unbroken.ports import spare_port
 
 WORKERS = Path(__file__).resolve().parent
@@ -65,10 +66,16 @@ def launch(
         base["UNBROKEN_STORE_ADDR"] = f"127.0.0.1:{server.port}"
     else:
         base["MASTER_PORT"] = str(spare_port())
-    procs = []
+    pad = launchpad(base)
+    procs: list[subprocess.Popen[str]] = []
+    served: list[Launched] = []
     try:
         for r in range(nproc):
             env = dict(base, RANK=str(r), LOCAL_RANK=str(r), GROUP_RANK="0")
+            if pad is not None:  # forked from the suite's launch server: no interpreter start
+                cwd = Path.cwd()
+                served.append(pad.start(args, env=env, cwd=cwd, module=str(WORKERS / script)))
+                continue
             procs.append(
                 subprocess.Popen(
                     [sys.executable, str(WORKERS / script), *args],
@@ -81,6 +88,9 @@ def launch(
             )
         deadline = time.monotonic() + timeout_s
         ranks = []
+        for r, s in enumerate(served):
+            res = s.result(max(1.0, deadline - time.monotonic()))
+            ranks.append(_rank(r, res.returncode, res.output))
         for r, p in enumerate(procs):
             try:
                 out, _ = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
@@ -93,16 +103,22 @@ def launch(
                     f"ranks timed out after {timeout_s}s:\n"
                     + "\n".join(f"--- rank {i}\n{o[-3000:]}" for i, o in enumerate(outs))
                 ) from None
-            m = re.search(r"^WORKER_RESULT (.*)$", out, re.M)
-            ranks.append(Rank(r, p.returncode, out, json.loads(m.group(1)) if m else {}))
+            ranks.append(_rank(r, p.returncode, out))
         return ranks
     finally:
+        for s in served:
+            s.kill()
         for p in procs:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(p.pid, signal.SIGKILL)
             if p.poll() is None:
                 p.wait()
         del server
+
+
+def _rank(r: int, returncode: int, out: str) -> Rank:
+    m = re.search(r"^WORKER_RESULT (.*)$", out, re.M)
+    return Rank(r, returncode, out, json.loads(m.group(1)) if m else {})
 
 
 def describe(ranks: list[Rank]) -> str:
