@@ -34,14 +34,15 @@ def test_bench_recovery_clean_vs_baseline(tmp_path: Path) -> None:
     assert rows["clean"]["recovery_s"] == [] and rows["clean"]["infra_goodput"] == 1.0
     assert len(rows["baseline"]["recovery_s"]) == 1 and rows["baseline"]["recovery_s"][0] > 0.2
     assert rows["baseline"]["training_goodput"] < rows["clean"]["training_goodput"]
-    # The gap splits into what the fault cost and what checkpointing cost (none here). The
-    # fault's cost is its window (the recreated pods' start-up in it) and the steps redone: at
-    # least the gap, which is that share times the clean run's goodput (0.2-0.4 on this tiny
-    # run), whatever the machine's speed.
-    assert rows["clean"]["fault_cost"] == 0.0 and rows["baseline"]["fault_cost"] > 0.0
-    assert rows["baseline"]["checkpoint_cost"] == 0.0
-    gap = rows["clean"]["training_goodput"] - rows["baseline"]["training_goodput"]
-    assert rows["baseline"]["fault_cost"] > gap
+    # The run's time splits into training, what the fault cost and what checkpointing cost
+    # (none here). The fault's cost is its window and the steps redone: with every pod gone,
+    # at least the 0.2 s before the pods are recreated. (Not "at least the gap to the clean
+    # run": that gap also holds the two runs' other differences, start-up and step times,
+    # larger than the fault's cost when pods start in a few milliseconds.)
+    base = rows["baseline"]
+    assert rows["clean"]["fault_cost"] == 0.0 and base["checkpoint_cost"] == 0.0
+    assert base["fault_cost"] * base["wall_s"] >= 0.2
+    assert base["training_goodput"] + base["fault_cost"] <= 1.0 + 1e-9
     assert rows["baseline"]["step_time_s_median"] > 0
     assert (out / "report.html").read_text().count("polyline") >= 2
     assert "clean" in res.output and "baseline" in res.output
