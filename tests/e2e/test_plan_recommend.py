@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from procs import VENV_BIN, run, train_cmd
+from unbroken.ledger import read_events
 from unbroken.plan.tune import (
     ENV_CKPT_EVERY,
     ENV_PHASE_TIMEOUTS,
@@ -34,7 +35,10 @@ def test_recommend_on_a_real_run(tmp_path: Path) -> None:
     doc = json.loads(res.output[res.output.index("{") :])
     obs, rec = doc["observed"], doc["recommendation"]
     assert obs["steps_completed"] == 30 and obs["ckpt_every"] == 5
-    assert obs["save_s"]["count"] >= 1 and obs["snapshot_s"]["count"] >= 20
+    # Every snapshot rank 0 staged (one per step unless the writer was busy: skipped).
+    stages = [e for e in read_events(run_dir) if e.kind == "ckpt_stage" and e.rank == 0]
+    snapshots = [e for e in stages if e.get("durable") is False and e.get("part") != "note"]
+    assert obs["save_s"]["count"] >= 1 and obs["snapshot_s"]["count"] == len(snapshots) >= 1
 
     # The durable interval is never below the steps a save took to become durable.
     step_s = doc["job"]["step_time_s"]
