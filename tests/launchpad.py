@@ -7,9 +7,10 @@ and the warm pool's preload modules, then serves launches over a Unix socket: ea
 output passed along) is forked into a supervisor that forks the module's ``main`` (a new
 session), sends back its pid, relays the signals the requester sends, and sends its exit
 status. MODULE is one of ``SERVED`` (``unbroken.launcher.cli`` by default) or a script's path
-(``python SCRIPT.py``: a rank of a job without a launcher, as the benches' baselines run). An agent, holding every preload module already, forks its warm pool
-instead of starting one (``unbroken.launcher.forked``); everything after that (rendezvous,
-workers, faults, restarts) is what ``unbroken-run`` runs. torchrun's workers start as torchrun
+(``python SCRIPT.py``: a rank of a job without a launcher, as the benches' baselines run). An
+agent, holding every preload module already, forks its warm pool instead of starting one
+(``unbroken.launcher.forked``); everything after that (rendezvous, workers, faults, restarts)
+is what ``unbroken-run`` runs. torchrun's workers start as torchrun
 starts them (interpreters of their own).
 
 A request with ``join`` runs the module in the requester's namespaces (network, hostname,
@@ -137,7 +138,7 @@ def _supervise(conn: socket.socket, req: dict, fds: list[int], server: str) -> N
         for fd in set(fds):
             os.close(fd)
         os.chdir(req["cwd"])
-        sys.path[0] = os.path.dirname(file) if file == target else req["cwd"]  # as python does
+        sys.path[0] = os.path.dirname(file) if target.endswith(".py") else req["cwd"]  # as python
         route_pods(lambda: server, os.environ.get("OMP_NUM_THREADS"))
         sys.argv = [file, *req["args"]]
         sys.exit(main(req["args"]))
@@ -147,9 +148,8 @@ def _supervise(conn: socket.socket, req: dict, fds: list[int], server: str) -> N
     for fd in set(fds):
         os.close(fd)
     send(conn, {"pid": child.pid})
-    while child.poll() is None:
-        if not select.select([conn], [], [], 0.01)[0]:
-            continue
+    ended = os.pidfd_open(child.pid)  # readable once it exits: no polling
+    while ended not in select.select([conn, ended], [], [])[0]:
         msg, _ = recv(conn)
         if msg is None:  # the requester is gone (an emulated pod killed): so is the module
             with contextlib.suppress(ProcessLookupError):
@@ -158,7 +158,8 @@ def _supervise(conn: socket.socket, req: dict, fds: list[int], server: str) -> N
             return
         with contextlib.suppress(ProcessLookupError):
             os.kill(child.pid, msg["signal"])
-    send(conn, {"returncode": child.returncode})
+    os.close(ended)
+    send(conn, {"returncode": child.wait()})
 
 
 def served_argv(argv: list[str]) -> list[str] | None:

@@ -247,15 +247,21 @@ class Launchpad:
 
 
 class Launched:
-    """A launch from the server: ``pid`` (its session), then ``result``; always ``result``d."""
+    """A launch from the server: ``pid`` (its session), then ``result``, or ``close``."""
 
     def __init__(self, pid: int, conn: socket.socket, out: int, what: str, log: Path) -> None:
         self.pid = pid
         self._conn, self._out, self._what, self._log = conn, out, what, log
 
-    def kill(self) -> None:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.pid, signal.SIGKILL)
+    def close(self) -> None:
+        """Kill its session (stragglers, or all of it when it has not ended) and let go of
+        its output and connection; a second call does nothing."""
+        if self._out >= 0:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.pid, signal.SIGKILL)
+            os.close(self._out)
+            self._conn.close()
+            self._out = -1
 
     def result(self, timeout_s: float) -> Result:
         """Its exit status and output, once it ends; after ``timeout_s`` it is killed and the
@@ -271,7 +277,7 @@ class Launched:
                     break
                 out += chunk
             else:
-                self.kill()
+                self.close()
                 text = out.decode(errors="replace")
                 raise AssertionError(
                     f"{self._what} timed out after {timeout_s}s; output:\n{text[-4000:]}"
@@ -279,9 +285,7 @@ class Launched:
             ended = recv(self._conn)[0]
             assert ended, f"the launch server lost {self._what}: see {self._log}"
         finally:
-            os.close(self._out)
-            self._conn.close()
-            self.kill()  # stragglers of the group, if any
+            self.close()
         text = out.decode(errors="replace").replace("\r\n", "\n")
         return Result(ended["returncode"], text)
 

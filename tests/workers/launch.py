@@ -73,8 +73,8 @@ def launch(
         for r in range(nproc):
             env = dict(base, RANK=str(r), LOCAL_RANK=str(r), GROUP_RANK="0")
             if pad is not None:  # forked from the suite's launch server: no interpreter start
-                cwd = Path.cwd()
-                served.append(pad.start(args, env=env, cwd=cwd, module=str(WORKERS / script)))
+                rank = pad.start(args, env=env, cwd=Path.cwd(), module=str(WORKERS / script))
+                served.append(rank)
                 continue
             procs.append(
                 subprocess.Popen(
@@ -107,7 +107,7 @@ def launch(
         return ranks
     finally:
         for s in served:
-            s.kill()
+            s.close()
         for p in procs:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(p.pid, signal.SIGKILL)
