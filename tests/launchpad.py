@@ -10,8 +10,8 @@ status. MODULE is one of ``SERVED`` (``unbroken.launcher.cli`` by default) or a 
 (``python SCRIPT.py``: a rank of a job without a launcher, as the benches' baselines run). An
 agent, holding every preload module already, forks its warm pool instead of starting one
 (``unbroken.launcher.forked``); everything after that (rendezvous, workers, faults, restarts)
-is what ``unbroken-run`` runs. torchrun's workers start as torchrun
-starts them (interpreters of their own).
+is what ``unbroken-run`` runs. torchrun's agent, served, starts its workers as
+``padclient.py`` commands that the server forks (``route_torchrun_workers``).
 
 A request with ``join`` runs the module in the requester's namespaces (network, hostname,
 PID, mounts): ``padclient.py``, the command of an emulated pod's container, asks for that, so
@@ -139,7 +139,12 @@ def _supervise(conn: socket.socket, req: dict, fds: list[int], server: str) -> N
             os.close(fd)
         os.chdir(req["cwd"])
         sys.path[0] = os.path.dirname(file) if target.endswith(".py") else req["cwd"]  # as python
+        if os.environ.get("PYTHONUNBUFFERED"):  # as ``python -u``
+            for stream in (sys.stdout, sys.stderr):
+                stream.reconfigure(write_through=True, line_buffering=True)
         route_pods(lambda: server, os.environ.get("OMP_NUM_THREADS"))
+        if target == "torch.distributed.run":
+            route_torchrun_workers(lambda: server, os.environ.get("OMP_NUM_THREADS"))
         sys.argv = [file, *req["args"]]
         sys.exit(main(req["args"]))
 
@@ -192,6 +197,32 @@ def route_pods(path: Callable[[], str | None], omp: str | None) -> None:
 
     routed.routed = True  # type: ignore[attr-defined]
     pod.Pod.start = routed  # type: ignore[method-assign]
+
+
+def route_torchrun_workers(path: Callable[[], str | None], omp: str | None) -> None:
+    """Start torchrun's workers (``python -u SCRIPT`` or ``-m MODULE``, served here, torch's
+    thread count ``omp``) as ``padclient.py`` commands: forked from the server at ``path()``,
+    not interpreters of their own. torchrun's agent sees the client as its worker: its
+    SIGTERM is passed on, its SIGKILL ends the worker's session, and the worker's exit status
+    (its signal) is the client's. Installed once per process."""
+    from torch.distributed.elastic.multiprocessing.subprocess_handler import subprocess_handler
+
+    handler = subprocess_handler.SubprocessHandler
+    popen = handler._popen
+    if getattr(popen, "routed", False):
+        return
+
+    def routed(self: Any, args: tuple, env: dict[str, str]) -> Any:
+        argv = list(args)
+        unbuffered = argv[1:2] == ["-u"]
+        served = served_argv(argv[:1] + argv[2:] if unbuffered else argv)
+        if served and env.get("OMP_NUM_THREADS") == omp and (server := path()):
+            args = (sys.executable, "-S", "-E", CLIENT, server, *served)
+            env = {**env, "PYTHONUNBUFFERED": "1"} if unbuffered else env
+        return popen(self, args, env)
+
+    routed.routed = True  # type: ignore[attr-defined]
+    handler._popen = routed  # type: ignore[method-assign]
 
 
 def serve(path: str) -> None:

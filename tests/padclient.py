@@ -8,6 +8,9 @@ PID and mount namespaces as a process of the pod would, without an interpreter s
 torch import of its own. The signals this process gets are passed on to the module; its exit
 status is this process's (a signal's death by the same signal). When this process is killed,
 the launch server kills the module's session; a pod's PID namespace kills it with the pod.
+
+``python tests/padclient.py --python SOCKET ARGS...`` stands in for ``python ARGS...``
+(``procs.python_shim``): the same for what the server runs, else this Python, exec'd.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ import signal
 import socket
 import sys
 
-from launchpad import recv, send
+from launchpad import recv, send, served_argv
 
 _RELAYED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
 
@@ -44,4 +47,9 @@ def main(path: str, module: str, args: list[str]) -> int:
 
 
 if __name__ == "__main__":
+    if sys.argv[1] == "--python":  # standing in for this Python (``procs.python_shim``)
+        served = served_argv([sys.executable, *sys.argv[3:]])
+        if served is None:
+            os.execv(sys.executable, [sys.executable, *sys.argv[3:]])
+        sys.exit(main(sys.argv[2], served[0], served[1:]))
     sys.exit(main(sys.argv[1], sys.argv[2], sys.argv[3:]))

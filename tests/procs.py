@@ -8,6 +8,7 @@ import json
 import os
 import re
 import select
+import shlex
 import shutil
 import signal
 import socket
@@ -18,7 +19,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from launchpad import served_argv
+from launchpad import CLIENT, served_argv
 from unbroken.env import WorkerEnv
 
 SRC = Path(__file__).resolve().parents[1] / "src"
@@ -99,6 +100,30 @@ def run(
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)  # stragglers of the group, if any
     return Result(proc.returncode, out)
+
+
+def popen(cmd: list[str], *, env: dict[str, str] | None = None, **kw: object) -> subprocess.Popen:
+    """``subprocess.Popen(cmd, env=env, **kw)``; a command ``run`` would send to the launch
+    server starts as ``padclient.py`` (a process of a few milliseconds that runs it from the
+    server: its signals passed on, its exit status the client's, its session killed with the
+    client)."""
+    env = env or worker_env()
+    served = _served(cmd)
+    if served is not None and (pad := launchpad(env)) is not None:
+        cmd = [sys.executable, "-S", "-E", CLIENT, pad.path, served[0], *served[1]]
+    return subprocess.Popen(cmd, env=env, **kw)  # type: ignore[call-overload]
+
+
+def python_shim(directory: Path) -> Path:
+    """An executable ``python`` in ``directory``, for a script that runs ``$PY ARGS``: with
+    ``ARGS`` that ``run`` would send to the launch server it runs as ``padclient.py``, else it
+    is this Python. The environment is the script's (give it ``worker_env()``'s)."""
+    pad = launchpad(worker_env())
+    tail = "" if pad is None else f" -S -E {shlex.quote(CLIENT)} --python {shlex.quote(pad.path)}"
+    path = directory / "python"
+    path.write_text(f'#!/bin/sh\nexec {shlex.quote(sys.executable)}{tail} "$@"\n')
+    path.chmod(0o755)
+    return path
 
 
 def train_cmd(

@@ -4,13 +4,13 @@ the state exactly, and the figures are set against the limits measured in the sa
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+from procs import run
 from unbroken.checkpoint import CheckpointConfig
 
 SIZE_GB = 0.006
@@ -22,8 +22,8 @@ def test_every_mode_restores_the_state_exactly_and_is_set_against_the_limits(
     out = tmp_path / "size.json"
     cmd = [sys.executable, "-m", "unbroken.cli", "bench", "size", "--sizes", str(SIZE_GB)]
     cmd += ["--saves", "2", "--shard-mib", "2", "--dir", str(tmp_path), "--json", str(out)]
-    res = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
-    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
+    res = run(cmd, timeout_s=180)
+    assert res.returncode == 0, res.output[-4000:]
     (row,) = json.loads(out.read_text())
     assert abs(row["state_bytes"] - SIZE_GB * 1e9) < 4  # fp32 elements
     assert row["tensors"] == 3  # 6 MB in shards of 2 MiB
@@ -54,7 +54,7 @@ def test_every_mode_restores_the_state_exactly_and_is_set_against_the_limits(
         assert m["persist_over_disk"] == pytest.approx(disk / m["persist_s"][last])
 
     assert ours["restore_memory_over_memcpy"] > 0 and ours["restore_memory_s"] > 0
-    assert ours["prepared_ahead_s"] >= 0 and "arena laid out ahead" in res.stdout
+    assert ours["prepared_ahead_s"] >= 0 and "arena laid out ahead" in res.output
     # The memory tier holds every slot's copy of the state in its arena.
     assert ours["host_bytes"] >= CheckpointConfig().memory_slots * row["state_bytes"]
     assert ours["host_over_state"] >= CheckpointConfig().memory_slots
@@ -62,7 +62,7 @@ def test_every_mode_restores_the_state_exactly_and_is_set_against_the_limits(
     if not torch.cuda.is_available():
         assert "CUDA" in pinned["skipped"]
     # The table says the same.
-    assert "state 0.01 GB per rank (3 tensors)" in res.stdout
-    assert "not run: pinned staging needs CUDA" in res.stdout or torch.cuda.is_available()
-    assert "targets: stall <= 1.2 x memcpy floor" in res.stdout
-    assert "peer tier: replicated" in res.stdout and "exact: yes" in res.stdout
+    assert "state 0.01 GB per rank (3 tensors)" in res.output
+    assert "not run: pinned staging needs CUDA" in res.output or torch.cuda.is_available()
+    assert "targets: stall <= 1.2 x memcpy floor" in res.output
+    assert "peer tier: replicated" in res.output and "exact: yes" in res.output

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from procs import run, unbroken_run_cmd, worker_env
+from procs import popen, run, unbroken_run_cmd, worker_env
 
 pytestmark = pytest.mark.browser  # Debian's Chromium (make test-browser)
 
@@ -65,7 +65,7 @@ def test_watch_a_live_job(tmp_path: Path) -> None:
     run_dir = tmp_path / "job"
     run_dir.mkdir()
     (tmp_path / "plan.yaml").write_text(PLAN)
-    dash = subprocess.Popen(
+    dash = popen(
         [
             sys.executable,
             "-m",
@@ -120,7 +120,7 @@ def test_watch_a_live_job(tmp_path: Path) -> None:
                         "6",
                     ],
                 )
-                job = subprocess.Popen(
+                job = popen(
                     cmd,
                     env=worker_env(),
                     stdout=log,

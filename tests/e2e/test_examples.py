@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from procs import run, unbroken_run_cmd, worker_env
-from unbroken.ledger import goodput, read_run
+from unbroken.ledger import goodput, read_events, read_run
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "examples"
@@ -89,10 +89,16 @@ def test_adopted_example_recovers_bit_exact(
         # (the generators) from its journal: nothing redone.
         assert faults["sigkill"].restored_step == 32 and faults["sigkill"].steps_lost == 0
     else:
-        # FSDP shards differ by rank: the save of step 29, or of the next step when the
-        # writer was still writing step 19's from the rank's one snapshot at step 29 (the
-        # ranks agree to stage it a step later).
-        assert faults["sigkill"].restored_step in (29, 30, 31)
+        # FSDP shards differ by rank: the keeper holds the killed rank's one snapshot, the
+        # newest step it staged: the save of step 29, or of a later step when the writer still
+        # wrote step 19's from that copy at step 29 (the ranks then agree to stage it a step
+        # later, and a machine busy enough holds it back past the kill: step 19 again).
+        staged = [
+            int(e.get("step"))
+            for e in read_events(run_dir)
+            if e.kind == "ckpt_stage" and e.rank == 1 and e.attempt == 0 and "durable" in e.data
+        ]
+        assert faults["sigkill"].restored_step == max(staged) >= 19, staged
     # The Checkpointer recorded into the active ledger without being handed it.
     assert rep.checkpoint_save_s > 0 and rep.checkpoint_efficiency is not None
     assert rep.checkpoint_efficiency < 1.0

@@ -5,17 +5,17 @@ fault-free twin to compare hashes with), so the script is ready when a GPU is le
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 from pathlib import Path
+
+from procs import python_shim, worker_env
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_the_dry_run_passes_and_leaves_its_figures(tmp_path: Path) -> None:
     out = tmp_path / "gpu-check"
-    env = dict(os.environ, PY=sys.executable)
+    env = worker_env(PY=str(python_shim(tmp_path)))  # its Python commands from the launch server
     res = subprocess.run(
         ["bash", str(ROOT / "scripts" / "gpu_check.sh"), "--device", "cpu", "--out", str(out)],
         capture_output=True,

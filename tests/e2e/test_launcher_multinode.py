@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from procs import run, unbroken_run_cmd, worker_env
+from procs import popen, run, unbroken_run_cmd, worker_env
 from unbroken.ledger import read_events
 from unbroken.ports import spare_port
 
@@ -65,7 +65,7 @@ def _agent(run_dir: Path, port: int, *, host: bool, log: Path) -> subprocess.Pop
         ],
     )
     with open(log, "wb") as out:
-        return subprocess.Popen(
+        return popen(
             cmd, env=worker_env(), stdout=out, stderr=subprocess.STDOUT, start_new_session=True
         )
 
@@ -147,7 +147,7 @@ def _store(port: int, log: Path) -> subprocess.Popen[bytes]:
     """The rendezvous store's process, as the store pod runs it; returns once it serves."""
     cmd = [sys.executable, "-m", "unbroken.cli", "k8s", "store", "--host", "127.0.0.1"]
     with open(log, "wb") as out:
-        proc = subprocess.Popen(
+        proc = popen(
             [*cmd, "--port", str(port)],
             env=worker_env(),
             stdout=out,

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from procs import run, unbroken_run_cmd
+from procs import popen, run, unbroken_run_cmd
 from unbroken.checkpoint import layout
 from unbroken.ledger import goodput, read_events
 
@@ -49,9 +49,7 @@ def _live_steps(run_dir: Path) -> list[int]:
 def test_sigterm_saves_the_agreed_step_and_the_relaunch_trains_no_step_twice(
     reference: str, tmp_path: Path
 ) -> None:
-    proc = subprocess.Popen(
-        _cmd(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-    )
+    proc = popen(_cmd(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         deadline = time.monotonic() + TIMEOUT_S
         while not [s for s in _live_steps(tmp_path) if s >= 10]:

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from procs import run, unbroken_run_cmd
+from procs import popen, run, unbroken_run_cmd
 from unbroken.checkpoint import layout
 from unbroken.ledger import goodput, read_events
 
@@ -82,12 +82,9 @@ def test_storage_full_from_the_first_save(
     assert storage.failing and storage.failed_saves >= 1 and storage.saves_held_back >= 1
     span = max(e.ts for e in events) - min(e.ts for e in fails)
     assert storage.unprotected_s == pytest.approx(span, abs=0.01)  # to the end of the run
-    report = subprocess.run(
-        [sys.executable, "-m", "unbroken.cli", "report", str(tmp_path)],
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout
+    res = run([sys.executable, "-m", "unbroken.cli", "report", str(tmp_path)], timeout_s=60)
+    report = res.output
+    assert res.returncode == 0, report
     assert "unprotected for" in report and "No space left" in report, report
 
 
@@ -145,7 +142,7 @@ def test_storage_turning_read_only_mid_run(
 ) -> None:
     mnt = tmpfs("64m")
     ckpt = mnt / "ckpt"
-    proc = subprocess.Popen(
+    proc = popen(
         _cmd(tmp_path, "--ckpt-dir", str(ckpt)),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,

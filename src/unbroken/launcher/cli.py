@@ -196,33 +196,54 @@ def run(spec: largs.JobSpec, cfg: largs.lconfig.LauncherConfig) -> int:
     except ValueError as e:
         print(f"unbroken-run: error: {e}", file=sys.stderr)
         return errors.EXIT_USAGE
+    base_env = _base_env(spec)
+    # The warm pool first, while this process runs one thread (the metrics server's is next):
+    # an agent forked from a process that imported the pool's modules forks the pool from them.
+    zygote = _warm_pool(spec, cfg, base_env)
     metrics = None
-    if cfg.metrics_port is not None:
-        from unbroken.dashboard.metrics import MetricsServer
-
-        try:
-            metrics = MetricsServer(run_dir, port=cfg.metrics_port, host=metrics_host(spec, cfg))
-        except OSError as e:
-            print(f"unbroken-run: error: {e}", file=sys.stderr)
-            return errors.EXIT_USAGE
     try:
-        return _run(spec, cfg, run_dir, run_id)
+        if cfg.metrics_port is not None:
+            from unbroken.dashboard.metrics import MetricsServer
+
+            try:
+                metrics = MetricsServer(
+                    run_dir, port=cfg.metrics_port, host=metrics_host(spec, cfg)
+                )
+            except OSError as e:
+                print(f"unbroken-run: error: {e}", file=sys.stderr)
+                return errors.EXIT_USAGE
+        return _run(spec, cfg, run_dir, run_id, base_env=base_env, zygote=zygote)
     finally:
         if metrics is not None:
             metrics.close()
+        if zygote is not None:
+            zygote.close()
 
 
-def _run(spec: largs.JobSpec, cfg: largs.lconfig.LauncherConfig, run_dir: Path, run_id: str) -> int:
+def _warm_pool(
+    spec: largs.JobSpec, cfg: largs.lconfig.LauncherConfig, base_env: dict[str, str]
+) -> Zygote | None:
+    """The warm pool the workers fork from, or None (off, a command entry, no subreaper)."""
+    subreaper = bootstrap.set_child_subreaper()
+    if not cfg.warm_pool or spec.entry.kind == "command":
+        return None
+    if not subreaper:
+        logger.warning("cannot become a child subreaper: the warm pool is off")
+        return None
+    return Zygote(cfg.preload, env=base_env)
+
+
+def _run(
+    spec: largs.JobSpec,
+    cfg: largs.lconfig.LauncherConfig,
+    run_dir: Path,
+    run_id: str,
+    *,
+    base_env: dict[str, str],
+    zygote: Zygote | None,
+) -> int:
     error_path = cfg.error_path(run_dir)
     error_path.unlink(missing_ok=True)  # a previous run's
-    base_env = _base_env(spec)
-    subreaper = bootstrap.set_child_subreaper()
-    zygote = None
-    if cfg.warm_pool and spec.entry.kind != "command":
-        if subreaper:
-            zygote = Zygote(cfg.preload, env=base_env)
-        else:
-            logger.warning("cannot become a child subreaper: the warm pool is off")
     signals = SignalPipe(tuple(getattr(signal, s) for s in spec.stop_signals))
     heartbeats = HeartbeatServer(key=HeartbeatServer.new_key())
     ledger = Ledger(run_dir, run=run_id, rank=ev.LAUNCHER_RANK)
@@ -332,8 +353,6 @@ def _run(spec: largs.JobSpec, cfg: largs.lconfig.LauncherConfig, run_dir: Path, 
             if workers.running():  # an exception in the agent itself: leave nothing behind
                 workers.stop(cfg.stop_grace_s)
             workers.close()
-        if zygote is not None:
-            zygote.close()
         if peers is not None:
             peers.close()
         heartbeats.close()
