@@ -26,18 +26,15 @@ browser:
 	  { apt-get update -q >/dev/null && apt-get install -y -q chromium >/dev/null; } || \
 	  { echo "could not install chromium: run 'apt-get install chromium' as root" >&2; exit 1; }; }
 
-# The whole suite (CI), in three parts: the unit tests on UNIT_WORKERS processes (pytest-xdist;
-# they are CPU-bound in pytest itself and time nothing), then the multi-process tests, then the
-# serial ones (they measure time or CPU shares) alone; the slowest tests are listed at the end of
-# each part. TEST_WORKERS=N runs the multi-process part on N processes too: worth it with more
-# cores than the 2 a test's ranks use; on 2 cores those tests are CPU-bound, and two processes
-# starve the timing-sensitive end-to-end tests of the other one.
-UNIT_WORKERS ?= 2
-TEST_WORKERS ?= 1
+# The whole suite (CI), in two parts: every test but the serial ones on TEST_WORKERS processes
+# (pytest-xdist; each has its own launch server, tests/launchpad.py, so a launch forks instead
+# of starting an interpreter that imports torch), then the serial ones (they measure time or
+# CPU shares) alone; the slowest tests are listed at the end of each part. The unit tests share
+# the first part, filling the CPU the multi-process tests leave idle while they wait.
+TEST_WORKERS ?= 2
 xdist = $(if $(filter-out 1,$(1)),-n $(1) --dist worksteal)
 test: $(STAMP) browser
-	$(PY) -m pytest -q $(call xdist,$(UNIT_WORKERS)) -m "unit and not serial" --durations=10 tests
-	$(PY) -m pytest -q $(call xdist,$(TEST_WORKERS)) -m "not unit and not serial" --durations=25 tests
+	$(PY) -m pytest -q $(call xdist,$(TEST_WORKERS)) -m "not serial" --durations=25 tests
 	$(PY) -m pytest -q -m serial --durations=10 tests
 
 # A change's inner loop (about a minute): the unit tests that start no processes and take no seconds.

@@ -47,6 +47,7 @@ SERVED = (
     "unbroken.observe",
     "unbroken.workload.train",
     "torch.distributed.run",
+    "unbroken.restart.store_server",
 )
 """The modules this server runs (and scripts: ``python SCRIPT.py``)."""
 CLIENT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "padclient.py")
@@ -104,6 +105,14 @@ def _join(pid: int) -> None:
 
 def _main(module: str) -> tuple[Callable[[list[str]], object], str]:
     """The module's ``main(argv)`` and its file (a script: one that runs it as ``__main__``)."""
+    if module == "-c":
+
+        def code(args: list[str]) -> int:
+            sys.argv = ["-c", *args[1:]]
+            exec(compile(args[0], "<string>", "exec"), {"__name__": "__main__"})
+            return 0
+
+        return code, "-c"
     if module.endswith(".py"):
 
         def script(_args: list[str]) -> int:
@@ -120,9 +129,10 @@ def _main(module: str) -> tuple[Callable[[list[str]], object], str]:
 
 
 def _supervise(conn: socket.socket, req: dict, fds: list[int], server: str) -> None:
-    """Fork ``python -m MODULE ARGS`` in its own session with its output to ``fds`` (stdout,
-    and stderr if given); send back its pid, relay the signals asked for, send its exit status.
-    If the requester goes away first, the module's session is killed."""
+    """Fork ``python -m MODULE ARGS`` in its own session with ``fds`` as its standard
+    descriptors ``req["std"]`` (by default its stdout, and its stderr if given); send back its
+    pid, relay the signals asked for, send its exit status. If the requester goes away first,
+    the module's session is killed."""
     from unbroken.launcher import forked
 
     target = req.get("module", "unbroken.launcher.cli")
@@ -131,14 +141,20 @@ def _supervise(conn: socket.socket, req: dict, fds: list[int], server: str) -> N
         peer = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
         _join(peer[0])
 
+    given = dict(zip(req.get("std") or (1, 2)[: len(fds)], fds, strict=True))
+    if 1 in given:
+        given.setdefault(2, given[1])
+
     def run() -> None:
         os.setsid()
-        for std, fd in ((1, fds[0]), (2, fds[-1])):
-            os.dup2(fd, std)
+        for n, fd in given.items():
+            os.dup2(fd, n)
         for fd in set(fds):
             os.close(fd)
         os.chdir(req["cwd"])
         sys.path[0] = os.path.dirname(file) if target.endswith(".py") else req["cwd"]  # as python
+        if target == "-c":
+            sys.path[0] = ""
         if os.environ.get("PYTHONUNBUFFERED"):  # as ``python -u``
             for stream in (sys.stdout, sys.stderr):
                 stream.reconfigure(write_through=True, line_buffering=True)
@@ -146,6 +162,7 @@ def _supervise(conn: socket.socket, req: dict, fds: list[int], server: str) -> N
         if target == "torch.distributed.run":
             route_torchrun_workers(lambda: server, os.environ.get("OMP_NUM_THREADS"))
         sys.argv = [file, *req["args"]]
+        route_store_server(lambda: server, os.environ.get("OMP_NUM_THREADS"))
         sys.exit(main(req["args"]))
 
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # the server's SIG_IGN would reap it
@@ -167,13 +184,17 @@ def _supervise(conn: socket.socket, req: dict, fds: list[int], server: str) -> N
     send(conn, {"returncode": child.wait()})
 
 
-def served_argv(argv: list[str]) -> list[str] | None:
+def served_argv(argv: list[str], *, code: bool = False) -> list[str] | None:
     """``[MODULE or SCRIPT, ARGS...]`` when ``argv`` is this Python running what is served (a
-    script named by its absolute path)."""
+    script named by its absolute path; with ``code``, ``-c CODE``: ``["-c", CODE, ARGS...]``,
+    for a caller that knows the code does not look at its parent: it is the server's
+    supervisor)."""
     if argv[:1] != [sys.executable] or len(argv) < 2:
         return None
     if argv[1] == "-m" and len(argv) > 2 and argv[2] in SERVED:
         return argv[2:]
+    if code and argv[1] == "-c" and len(argv) > 2:
+        return argv[1:]
     if argv[1].endswith(".py") and os.path.isabs(argv[1]) and os.path.isfile(argv[1]):
         return argv[1:]
     return None
@@ -225,15 +246,42 @@ def route_torchrun_workers(path: Callable[[], str | None], omp: str | None) -> N
     handler._popen = routed  # type: ignore[method-assign]
 
 
+def route_store_server(path: Callable[[], str | None], omp: str | None) -> None:
+    """Start the store server a rank without a launcher starts (``unbroken.restart.store``:
+    ``python -m unbroken.restart.store_server``, its stdin and stdout pipes of the rank's) as
+    a ``padclient.py`` command: forked from the server at ``path()``. Installed once per
+    process."""
+    import subprocess
+    import types
+
+    from unbroken.restart import store
+
+    if getattr(store.subprocess.Popen, "routed", False):
+        return
+    popen = subprocess.Popen
+
+    def routed(argv: list[str], **kw: Any) -> subprocess.Popen:
+        served = served_argv(list(argv))
+        env = kw.get("env") or os.environ
+        if served and env.get("OMP_NUM_THREADS") == omp and (server := path()):
+            argv = [sys.executable, "-S", "-E", CLIENT, server, *served]
+        return popen(argv, **kw)
+
+    routed.routed = True  # type: ignore[attr-defined]
+    store.subprocess = types.SimpleNamespace(**{**vars(subprocess), "Popen": routed})
+
+
 def serve(path: str) -> None:
     import gc
     import importlib
 
     from unbroken.k8s.emulate import pod  # noqa: F401
-    from unbroken.launcher import bootstrap, cli, config, rendezvous  # noqa: F401
+    from unbroken.launcher import cli, config, rendezvous  # noqa: F401
 
-    bootstrap.set_pdeathsig(signal.SIGKILL)  # dies with pytest
-    for mod in config.DEFAULT_PRELOAD:
+    # Ends with pytest: its process, watched (a parent-death signal would come when the thread
+    # that started this server ends, and pytest may start it from any thread).
+    parent = os.pidfd_open(os.getppid())
+    for mod in (*config.DEFAULT_PRELOAD, "unbroken.workload.train"):  # the benches' preload
         importlib.import_module(mod)
     gc.collect()
     gc.freeze()
@@ -242,11 +290,12 @@ def serve(path: str) -> None:
     srv.bind(path + ".tmp")
     srv.listen(64)
     os.rename(path + ".tmp", path)  # ready once it exists
-    while True:
+    while parent not in select.select([srv, parent], [], [])[0]:
         conn, _ = srv.accept()
         req, fds = recv(conn, with_fds=True)
-        if req is not None and 1 <= len(fds) <= 2 and os.fork() == 0:
+        if req is not None and 1 <= len(fds) <= 3 and os.fork() == 0:
             srv.close()
+            os.close(parent)
             try:
                 _supervise(conn, req, fds, path)
             except BaseException:

@@ -1,6 +1,6 @@
 """``python tests/padclient.py SOCKET MODULE ARGS...``: ``python -m MODULE ARGS`` forked from the
 test suite's launch server (``launchpad``) into this process's namespaces, with this process's
-environment, working directory and output.
+environment, working directory, input and output.
 
 The command of an emulated pod's container in the tests: the pod's process starts in a few
 milliseconds (this file imports no torch) and the module runs in the pod's network, hostname,
@@ -15,6 +15,7 @@ the launch server kills the module's session; a pod's PID namespace kills it wit
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -25,11 +26,20 @@ from launchpad import recv, send, served_argv
 _RELAYED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
 
 
+def _open(fd: int) -> bool:
+    try:
+        os.fstat(fd)
+    except OSError:
+        return False
+    return True
+
+
 def main(path: str, module: str, args: list[str]) -> int:
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.connect(path)
     req = {"module": module, "args": args, "env": dict(os.environ), "cwd": os.getcwd()}
-    send(sock, {**req, "join": True}, [1, 2])
+    std = [n for n in (0, 1, 2) if _open(n)]
+    send(sock, {**req, "join": True, "std": std}, std)
     if recv(sock)[0] is None:
         print(f"padclient: the launch server did not start {module}", file=sys.stderr)
         return 1
@@ -40,8 +50,9 @@ def main(path: str, module: str, args: list[str]) -> int:
         print(f"padclient: the launch server lost {module}", file=sys.stderr)
         return 1
     code = ended["returncode"]
-    if code < 0:
-        signal.signal(-code, signal.SIG_DFL)
+    if code < 0:  # its death by a signal: ours too (SIGKILL and SIGSTOP take no handler)
+        with contextlib.suppress(OSError, ValueError):
+            signal.signal(-code, signal.SIG_DFL)
         os.kill(os.getpid(), -code)
     return code
 

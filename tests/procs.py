@@ -28,11 +28,12 @@ LAUNCHER = [sys.executable, "-m", "unbroken.launcher.cli"]
 TORCHRUN = str(VENV_BIN / "torchrun")
 
 
-def _served(cmd: list[str]) -> tuple[str, list[str]] | None:
-    """The module (or script) and arguments of ``cmd`` when the launch server can run it."""
+def _served(cmd: list[str], *, code: bool = False) -> tuple[str, list[str]] | None:
+    """The module (or script) and arguments of ``cmd`` when the launch server can run it
+    (``code``: ``python -c`` too, see ``launchpad.served_argv``)."""
     if cmd[:1] == [TORCHRUN]:
         return "torch.distributed.run", cmd[1:]
-    served = served_argv(cmd)
+    served = served_argv(cmd, code=code)
     return None if served is None else (served[0], served[1:])
 
 
@@ -102,16 +103,48 @@ def run(
     return Result(proc.returncode, out)
 
 
-def popen(cmd: list[str], *, env: dict[str, str] | None = None, **kw: object) -> subprocess.Popen:
+def popen(
+    cmd: list[str], *, env: dict[str, str] | None = None, code: bool = False, **kw: object
+) -> subprocess.Popen:
     """``subprocess.Popen(cmd, env=env, **kw)``; a command ``run`` would send to the launch
     server starts as ``padclient.py`` (a process of a few milliseconds that runs it from the
     server: its signals passed on, its exit status the client's, its session killed with the
-    client)."""
+    client). ``code``: ``python -c`` too (``launchpad.served_argv``)."""
     env = env or worker_env()
-    served = _served(cmd)
+    served = _served(cmd, code=code)
     if served is not None and (pad := launchpad(env)) is not None:
         cmd = [sys.executable, "-S", "-E", CLIENT, pad.path, served[0], *served[1]]
     return subprocess.Popen(cmd, env=env, **kw)  # type: ignore[call-overload]
+
+
+def capture(
+    cmd: list[str],
+    *,
+    env: dict[str, str] | None = None,
+    cwd: Path | None = None,
+    timeout_s: float = 120,
+) -> subprocess.CompletedProcess[str]:
+    """``subprocess.run(cmd, capture_output=True, text=True)`` through ``popen`` (``python -c``
+    included): its stdout and stderr apart; on timeout its process group is killed and the
+    test fails."""
+    proc = popen(
+        cmd,
+        env=env,
+        code=True,
+        cwd=cwd,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        out, err = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired as e:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        raise AssertionError(f"{cmd} timed out after {timeout_s}s") from e
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
 def python_shim(directory: Path) -> Path:

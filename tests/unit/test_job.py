@@ -17,6 +17,7 @@ import pytest
 import torch
 
 import unbroken
+from procs import capture, worker_env
 from unbroken import job
 from unbroken.checkpoint import Checkpointer
 from unbroken.checkpoint.checkpointer import open_checkpointers
@@ -26,8 +27,6 @@ from unbroken.ledger import Ledger, read_events
 from unbroken.ledger import events as ev
 from unbroken.ledger.active import activate, current
 from unbroken.restart import RestartContext
-
-SRC = Path(__file__).resolve().parents[2] / "src"
 
 
 def _state() -> dict[str, Any]:
@@ -150,12 +149,14 @@ unbroken.main(train, config=unbroken.RestartConfig(max_iterations=1))
 
 def _lone_process(code: str, cwd: Path) -> subprocess.CompletedProcess[str]:
     """Run ``code`` as a script outside any launcher (no launcher environment)."""
-    env = dict(os.environ, PYTHONPATH=str(SRC), OMP_NUM_THREADS="1")
+    return capture([sys.executable, "-c", code], cwd=cwd, env=_lone_env())
+
+
+def _lone_env() -> dict[str, str]:
+    env = worker_env()
     for name in [k for k in env if k.startswith(("UNBROKEN_", "TORCHELASTIC_", "MASTER_"))]:
         del env[name]
-    return subprocess.run(
-        [sys.executable, "-c", code], cwd=cwd, env=env, capture_output=True, text=True, timeout=120
-    )
+    return env
 
 
 @pytest.mark.parametrize("fail", [False, True])
@@ -245,19 +246,10 @@ def test_a_long_final_commit_is_no_hang(tmp_path: Path) -> None:
     counts that wait."""
     agent = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     agent.bind(("127.0.0.1", 0))
-    env = dict(os.environ, PYTHONPATH=str(SRC), OMP_NUM_THREADS="1")
-    for name in [k for k in env if k.startswith(("UNBROKEN_", "TORCHELASTIC_", "MASTER_"))]:
-        del env[name]
+    env = _lone_env()
     env["UNBROKEN_HEARTBEAT_ADDR"] = f"127.0.0.1:{agent.getsockname()[1]}"
     try:
-        out = subprocess.run(
-            [sys.executable, "-c", SLOW_CLOSE.format()],
-            cwd=tmp_path,
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
+        out = capture([sys.executable, "-c", SLOW_CLOSE.format()], cwd=tmp_path, env=env)
         assert out.returncode == 0, out.stderr[-3000:]
         agent.setblocking(False)
         beats = []

@@ -4,7 +4,6 @@ rendered, validated for every layout, and refused with a clear message when a va
 from __future__ import annotations
 
 import copy
-import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -13,6 +12,7 @@ from typing import Any
 import pytest
 import yaml
 
+from procs import capture
 from unbroken.k8s import eks, render, validate
 from unbroken.k8s import spec as kspec
 
@@ -208,13 +208,13 @@ def test_eks_fields_load_from_a_spec_file_and_from_flags(tmp_path: Path) -> None
         "--fsx-security-group-ids",
         "sg-0123456789abcdef0,sg-0fedcba9876543210",
     ]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    done = capture(cmd)
     assert done.returncode == 0, done.stderr
     docs = list(yaml.safe_load_all(out.read_text()))
     assert _pod(docs)["nodeSelector"]["pool"] == "b"
     [sc] = _of(docs, "StorageClass")
     assert sc["parameters"]["securityGroupIds"].count("sg-") == 2
-    bad = subprocess.run([*cmd, "--efa", "-3"], capture_output=True, text=True, timeout=120)
+    bad = capture([*cmd, "--efa", "-3"])
     assert bad.returncode == 2 and "efa must be >= 0" in bad.stderr
 
 

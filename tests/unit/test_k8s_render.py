@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from procs import capture
 from unbroken.k8s import render, validate
 from unbroken.k8s import spec as kspec
 from unbroken.launcher import args as largs
@@ -138,7 +139,7 @@ def test_committed_examples_equal_what_render_produces(
     out = tmp_path / name
     cmd = [sys.executable, "-m", "unbroken.cli", "k8s", "render"]
     cmd += ["--spec", f"deploy/k8s/{spec}", "--kind", kind, "-o", str(out)]
-    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    done = capture(cmd, cwd=ROOT)
     assert done.returncode == 0, done.stderr
     committed = (DEPLOY / name).read_text()
     assert out.read_text() == committed, (
@@ -178,7 +179,7 @@ def test_render_help_lists_every_layout() -> None:
 
     assert kcli.KINDS == render.KINDS  # the parser's choices, without importing the renderer
     cmd = [sys.executable, "-m", "unbroken.cli", "k8s", "render", "--help"]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    done = capture(cmd)
     assert done.returncode == 0
     assert "{job,jobset,trainjob}" in done.stdout and "TrainJob" in done.stdout
     for flag in ("--efa", "--zone", "--node-selector", "--fsx-file-system-id", "--fsx-subnet-id"):
@@ -188,8 +189,8 @@ def test_render_help_lists_every_layout() -> None:
 def test_render_cli_refuses_bad_input_with_a_clear_error() -> None:
     cmd = [sys.executable, "-m", "unbroken.cli", "k8s", "render", "--name", "Bad_Name"]
     cmd += ["--image", "i", "--command", "x.py"]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    done = capture(cmd)
     assert done.returncode == 2 and "name must be a lowercase DNS label" in done.stderr
     cmd = [sys.executable, "-m", "unbroken.cli", "k8s", "render", "--name", "ok"]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    done = capture(cmd)
     assert done.returncode == 2 and "missing ['image', 'command']" in done.stderr

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import copy
-import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -11,6 +10,7 @@ from typing import Any
 
 import pytest
 
+from procs import capture
 from unbroken.k8s import render, validate
 from unbroken.k8s import spec as kspec
 
@@ -162,11 +162,11 @@ def test_validate_cli_exit_codes(tmp_path: Path) -> None:
     _pod(broken)["subdomain"] = "nope"
     bad.write_text(render.to_yaml(broken, file="bad.yaml"))
     cmd = [sys.executable, "-m", "unbroken.cli", "k8s", "validate"]
-    ok = subprocess.run([*cmd, str(good)], capture_output=True, text=True, timeout=120)
+    ok = capture([*cmd, str(good)])
     assert ok.returncode == 0 and "ok (Kubernetes 1.33.0 schemas strict" in ok.stdout
-    no = subprocess.run([*cmd, str(good), str(bad)], capture_output=True, text=True, timeout=120)
+    no = capture([*cmd, str(good), str(bad)])
     assert no.returncode == 1 and "'nope' is not a headless Service" in no.stdout
-    missing = subprocess.run([*cmd, str(tmp_path / "x.yaml")], capture_output=True, text=True)
+    missing = capture([*cmd, str(tmp_path / "x.yaml")])
     assert missing.returncode == 2 and "does not exist" in missing.stderr
 
 
