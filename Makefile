@@ -37,9 +37,10 @@ test: $(STAMP) browser
 	$(PY) -m pytest -q $(call xdist,$(TEST_WORKERS)) -m "not serial" --durations=25 tests
 	$(PY) -m pytest -q -m serial --durations=10 tests
 
-# A change's inner loop (about a minute): the unit tests that start no processes and take no seconds.
+# A change's inner loop (about a minute): the unit tests that start no processes and take no
+# seconds, on TEST_WORKERS processes.
 test-fast: $(STAMP)
-	$(PY) -m pytest -q -m "unit and not slow" --durations=10 tests
+	$(PY) -m pytest -q $(call xdist,$(TEST_WORKERS)) -m "unit and not slow" --durations=10 tests
 
 # The tests that drive Chromium (installed here if missing, and only here and in make test).
 test-browser: $(STAMP) browser

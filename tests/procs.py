@@ -92,11 +92,7 @@ def run(
         text=True,
     )
     try:
-        out, _ = proc.communicate(timeout=timeout_s)
-    except subprocess.TimeoutExpired as e:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        raise AssertionError(f"{cmd} timed out after {timeout_s}s; output:\n{out[-4000:]}") from e
+        out, _ = _communicate(proc, cmd, timeout_s)
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)  # stragglers of the group, if any
@@ -138,13 +134,19 @@ def capture(
         text=True,
         start_new_session=True,
     )
+    out, err = _communicate(proc, cmd, timeout_s)
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+def _communicate(proc: subprocess.Popen, cmd: list[str], timeout_s: float) -> tuple[str, str]:
+    """``proc.communicate()``; after ``timeout_s`` its process group is killed and the test
+    fails, with what it wrote."""
     try:
-        out, err = proc.communicate(timeout=timeout_s)
+        return proc.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired as e:
         os.killpg(proc.pid, signal.SIGKILL)
-        proc.communicate()
-        raise AssertionError(f"{cmd} timed out after {timeout_s}s") from e
-    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+        out, _ = proc.communicate()
+        raise AssertionError(f"{cmd} timed out after {timeout_s}s; output:\n{out[-4000:]}") from e
 
 
 def python_shim(directory: Path) -> Path:
