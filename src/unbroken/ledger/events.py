@@ -33,7 +33,7 @@ STEP = "step"
 # (a step noted for a rescue, unbroken.checkpoint.staging.rescue) or "agree" (the ranks agreed
 # not to stage: a rank's one snapshot still persisting).
 CKPT_STAGE = "ckpt_stage"
-CKPT_PERSIST = "ckpt_persist"  # background interval; data: step, bytes
+CKPT_PERSIST = "ckpt_persist"  # background interval; data: step, bytes, throttle_bytes_per_s
 CKPT_COMMIT = "ckpt_commit"  # data: step
 CKPT_SKIP = "ckpt_skip"  # data: step, reason[, retried: held back, staged at a later step]
 CKPT_FAIL = "ckpt_fail"  # data: step, error

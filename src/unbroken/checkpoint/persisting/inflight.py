@@ -225,6 +225,9 @@ class Inflight:
                 write_s=msg["write_s"],
                 fsync_s=msg["fsync_s"],
                 writer_rss_bytes=msg["rss_bytes"],
+                # the write-rate cap this save obeyed (bytes/s; 0: none), a slow-storage
+                # fault's included: which saves were slow by design, not by the storage
+                throttle_bytes_per_s=msg.get("throttle_bytes_per_s", 0.0),
             )
             if self.rank != 0:
                 self.stats.committed += 1
