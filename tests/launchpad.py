@@ -37,7 +37,7 @@ import socket
 import struct
 import sys
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 _HEADER = struct.Struct("!I")
@@ -152,17 +152,23 @@ def _supervise(conn: socket.socket, req: dict, fds: list[int], server: str) -> N
         for fd in set(fds):
             os.close(fd)
         os.chdir(req["cwd"])
-        sys.path[0] = os.path.dirname(file) if target.endswith(".py") else req["cwd"]  # as python
-        if target == "-c":
-            sys.path[0] = ""
+        # sys.path[0] as python sets it: the script's directory, "" for -c, else the cwd
+        sys.path[0] = (
+            os.path.dirname(file)
+            if target.endswith(".py")
+            else ""
+            if target == "-c"
+            else req["cwd"]
+        )
         if os.environ.get("PYTHONUNBUFFERED"):  # as ``python -u``
             for stream in (sys.stdout, sys.stderr):
                 stream.reconfigure(write_through=True, line_buffering=True)
-        route_pods(lambda: server, os.environ.get("OMP_NUM_THREADS"))
+        omp = os.environ.get("OMP_NUM_THREADS")
+        route_pods(lambda: server, omp)
+        route_store_server(lambda: server, omp)
         if target == "torch.distributed.run":
-            route_torchrun_workers(lambda: server, os.environ.get("OMP_NUM_THREADS"))
+            route_torchrun_workers(lambda: server, omp)
         sys.argv = [file, *req["args"]]
-        route_store_server(lambda: server, os.environ.get("OMP_NUM_THREADS"))
         sys.exit(main(req["args"]))
 
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # the server's SIG_IGN would reap it
@@ -200,6 +206,18 @@ def served_argv(argv: list[str], *, code: bool = False) -> list[str] | None:
     return None
 
 
+def client_argv(
+    argv: list[str], env: Mapping[str, str], server: str | None, omp: str | None
+) -> list[str] | None:
+    """``argv`` as a ``padclient.py`` command of the server at ``server``, when it serves
+    ``argv`` and an interpreter started with ``env`` would have torch's thread count ``omp``
+    (the server's); else None (run ``argv`` as it is)."""
+    served = served_argv(argv)
+    if served is None or server is None or env.get("OMP_NUM_THREADS") != omp:
+        return None
+    return [sys.executable, "-S", "-E", CLIENT, server, *served]
+
+
 def route_pods(path: Callable[[], str | None], omp: str | None) -> None:
     """Start the emulated pods' ``python -m MODULE`` containers (MODULE served here, torch's
     thread count ``omp``) as ``padclient.py`` commands: the module forked from the server at
@@ -211,10 +229,7 @@ def route_pods(path: Callable[[], str | None], omp: str | None) -> None:
         return
 
     def routed(self: pod.Pod, argv: list[str], **kw: Any) -> None:
-        served = served_argv(argv)
-        if served and kw["env"].get("OMP_NUM_THREADS") == omp and (server := path()):
-            argv = [sys.executable, "-S", "-E", CLIENT, server, *served]
-        start(self, argv, **kw)
+        start(self, client_argv(argv, kw["env"], path(), omp) or argv, **kw)
 
     routed.routed = True  # type: ignore[attr-defined]
     pod.Pod.start = routed  # type: ignore[method-assign]
@@ -236,11 +251,10 @@ def route_torchrun_workers(path: Callable[[], str | None], omp: str | None) -> N
     def routed(self: Any, args: tuple, env: dict[str, str]) -> Any:
         argv = list(args)
         unbuffered = argv[1:2] == ["-u"]
-        served = served_argv(argv[:1] + argv[2:] if unbuffered else argv)
-        if served and env.get("OMP_NUM_THREADS") == omp and (server := path()):
-            args = (sys.executable, "-S", "-E", CLIENT, server, *served)
-            env = {**env, "PYTHONUNBUFFERED": "1"} if unbuffered else env
-        return popen(self, args, env)
+        client = client_argv(argv[:1] + argv[2:] if unbuffered else argv, env, path(), omp)
+        if client is None:
+            return popen(self, args, env)
+        return popen(self, tuple(client), {**env, "PYTHONUNBUFFERED": "1"} if unbuffered else env)
 
     routed.routed = True  # type: ignore[attr-defined]
     handler._popen = routed  # type: ignore[method-assign]
@@ -261,11 +275,9 @@ def route_store_server(path: Callable[[], str | None], omp: str | None) -> None:
     popen = subprocess.Popen
 
     def routed(argv: list[str], **kw: Any) -> subprocess.Popen:
-        served = served_argv(list(argv))
-        env = kw.get("env") or os.environ
-        if served and env.get("OMP_NUM_THREADS") == omp and (server := path()):
-            argv = [sys.executable, "-S", "-E", CLIENT, server, *served]
-        return popen(argv, **kw)
+        return popen(
+            client_argv(list(argv), kw.get("env") or os.environ, path(), omp) or argv, **kw
+        )
 
     routed.routed = True  # type: ignore[attr-defined]
     store.subprocess = types.SimpleNamespace(**{**vars(subprocess), "Popen": routed})

@@ -223,7 +223,8 @@ def run(spec: largs.JobSpec, cfg: largs.lconfig.LauncherConfig) -> int:
 def _warm_pool(
     spec: largs.JobSpec, cfg: largs.lconfig.LauncherConfig, base_env: dict[str, str]
 ) -> Zygote | None:
-    """The warm pool the workers fork from, or None (off, a command entry, no subreaper)."""
+    """Make this process a child subreaper (workers forked from the pool are its children);
+    then the warm pool the workers fork from, or None (off, a command entry, no subreaper)."""
     subreaper = bootstrap.set_child_subreaper()
     if not cfg.warm_pool or spec.entry.kind == "command":
         return None
