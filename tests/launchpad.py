@@ -207,13 +207,16 @@ def served_argv(argv: list[str], *, code: bool = False) -> list[str] | None:
 
 
 def client_argv(
-    argv: list[str], env: Mapping[str, str], server: str | None, omp: str | None
+    argv: list[str],
+    env: Mapping[str, str],
+    path: Callable[[], str | None],
+    omp: str | None,
 ) -> list[str] | None:
-    """``argv`` as a ``padclient.py`` command of the server at ``server``, when it serves
-    ``argv`` and an interpreter started with ``env`` would have torch's thread count ``omp``
-    (the server's); else None (run ``argv`` as it is)."""
+    """``argv`` as a ``padclient.py`` command of the server at ``path()`` (asked only then: it
+    may start the server), when it serves ``argv`` and an interpreter started with ``env``
+    would have torch's thread count ``omp`` (the server's); else None (run ``argv`` as is)."""
     served = served_argv(argv)
-    if served is None or server is None or env.get("OMP_NUM_THREADS") != omp:
+    if served is None or env.get("OMP_NUM_THREADS") != omp or (server := path()) is None:
         return None
     return [sys.executable, "-S", "-E", CLIENT, server, *served]
 
@@ -229,7 +232,7 @@ def route_pods(path: Callable[[], str | None], omp: str | None) -> None:
         return
 
     def routed(self: pod.Pod, argv: list[str], **kw: Any) -> None:
-        start(self, client_argv(argv, kw["env"], path(), omp) or argv, **kw)
+        start(self, client_argv(argv, kw["env"], path, omp) or argv, **kw)
 
     routed.routed = True  # type: ignore[attr-defined]
     pod.Pod.start = routed  # type: ignore[method-assign]
@@ -251,7 +254,7 @@ def route_torchrun_workers(path: Callable[[], str | None], omp: str | None) -> N
     def routed(self: Any, args: tuple, env: dict[str, str]) -> Any:
         argv = list(args)
         unbuffered = argv[1:2] == ["-u"]
-        client = client_argv(argv[:1] + argv[2:] if unbuffered else argv, env, path(), omp)
+        client = client_argv(argv[:1] + argv[2:] if unbuffered else argv, env, path, omp)
         if client is None:
             return popen(self, args, env)
         return popen(self, tuple(client), {**env, "PYTHONUNBUFFERED": "1"} if unbuffered else env)
@@ -275,9 +278,7 @@ def route_store_server(path: Callable[[], str | None], omp: str | None) -> None:
     popen = subprocess.Popen
 
     def routed(argv: list[str], **kw: Any) -> subprocess.Popen:
-        return popen(
-            client_argv(list(argv), kw.get("env") or os.environ, path(), omp) or argv, **kw
-        )
+        return popen(client_argv(list(argv), kw.get("env") or os.environ, path, omp) or argv, **kw)
 
     routed.routed = True  # type: ignore[attr-defined]
     store.subprocess = types.SimpleNamespace(**{**vars(subprocess), "Popen": routed})
