@@ -171,7 +171,7 @@ def test_a_hang_right_after_a_save_restores_that_save_from_memory(
     """Rank 0 hangs after step 4, the step after the save of step 3, while rank 1 goes on into
     step 5's collectives: both still hold step 3."""
     plan = "faults:\n  - {step: 4, rank: 0, kind: hang}\n"
-    ranks = train(tmp_path / "run", "--ckpt-every", "2", "--soft", "1.0", plan=plan)
+    ranks = train(tmp_path / "run", "--ckpt-every", "2", "--soft", "1.5", plan=plan)
     assert_recovered(ranks, tmp_path / "run", reference, faults=1)
     loads = [e for e in read_events(tmp_path / "run") if e.kind == "ckpt_load" and e.rank == 0]
     assert [(e.get("tier"), e.get("step"), e.get("memory")) for e in loads][-1][:2] == (

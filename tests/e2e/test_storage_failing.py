@@ -97,10 +97,12 @@ def test_a_stalled_save_is_failed_its_writer_replaced_and_training_goes_on(
     plan.write_text(
         "faults:\n  - {step: 1, rank: 0, kind: storage-fail, error: stall, ranks: [0]}\n"
     )
-    # On a tmpfs, as the other saves must not take 2 s (persist_timeout_s): there a save's
-    # fsyncs would wait for every other test's writes on a busy machine.
+    # The other saves must not take 2 s (persist_timeout_s) on a busy machine: on a tmpfs (a
+    # save's fsyncs would wait for every other test's writes), by writers at the trainers'
+    # priority (an idle one runs only when nothing else on the machine wants the CPU).
     ckpt = tmpfs("256m") / "ckpt"
-    flags = ["--ckpt-dir", str(ckpt), "--faults", str(plan), "--ckpt-persist-timeout-s", "2"]
+    flags = ["--ckpt-dir", str(ckpt), "--writer-priority", "equal"]
+    flags += ["--faults", str(plan), "--ckpt-persist-timeout-s", "2"]
     cmd = _cmd(tmp_path, *flags)
     res = run(cmd, timeout_s=TIMEOUT_S)
     assert _hashes(res) == [reference, reference]

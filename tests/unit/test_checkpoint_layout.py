@@ -156,3 +156,26 @@ def test_the_coordinator_abandons_a_step_another_rank_skipped_or_failed(tmp_path
     layout.write_marker(other / layout.fail_marker(1), {"error": "ENOSPC"})
     with pytest.raises(Abandoned, match="rank-1 failed.*ENOSPC"):
         wait_for_ranks(other, world_size=2, deadline=1e12, at=never)
+
+
+def test_a_done_record_is_durable_though_the_coordinator_commits_its_directory_at_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Rank 0 renames ``step-N.partial`` to ``step-N`` as soon as the last done record is in,
+    which may be before that record's writer has fsynced the directory: the writer must not
+    fail a save that was committed (it fsyncs the directory it opened, renamed or not)."""
+    from unbroken.ledger import durable
+
+    part = layout.partial_dir(tmp_path, 3)
+    part.mkdir()
+    rename = os.replace
+
+    def replace_then_commit(src: Path, dst: Path) -> None:
+        rename(src, dst)
+        if Path(dst).parent == part:  # the record is in: the coordinator commits now
+            rename(part, layout.step_dir(tmp_path, 3))
+
+    monkeypatch.setattr(durable.os, "replace", replace_then_commit)
+    layout.write_durable(part / layout.done_record(1), b"record")
+    assert (layout.step_dir(tmp_path, 3) / layout.done_record(1)).read_bytes() == b"record"
+    assert not part.exists()
