@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from once import once
 from procs import run, unbroken_run_cmd, worker_env
 from unbroken.ledger import goodput, read_events, read_run
 
@@ -53,12 +54,18 @@ def plan(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def fault_free(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+def fault_free(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, str]:
     """The hash of each plain script's fault-free run (they run unchanged under unbroken-run)."""
-    return {
-        name: _run(tmp_path_factory.mktemp(name), [str(EXAMPLES / f"plain_{name}.py")])
-        for name in ("fsdp", "ddp")
-    }
+
+    def compute() -> dict[str, str]:
+        return {
+            name: _run(tmp_path_factory.mktemp(name), [str(EXAMPLES / f"plain_{name}.py")])
+            for name in ("fsdp", "ddp")
+        }
+
+    return once(request, compute)
 
 
 @pytest.mark.parametrize("name", ["fsdp", "ddp"])

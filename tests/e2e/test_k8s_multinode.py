@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from once import once
 from procs import run, unbroken_run_cmd
 from unbroken.bench.k8s import NodeLoss, NodeLossResult, emulated_cluster, run_node_loss
 from unbroken.k8s.emulate.net import netns_unavailable
@@ -29,13 +30,17 @@ FQDN = "{host}.ft.default.svc.cluster.local"
 
 
 @pytest.fixture(scope="module")
-def clean_hash(tmp_path_factory: pytest.TempPathFactory) -> str:
+def clean_hash(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> str:
     """final_state_sha256 of the same training, fault-free, 6 ranks on one node."""
-    ref = tmp_path_factory.mktemp("ref")
-    extra = list(JOB.train_command()[JOB.train_command().index("--ckpt-every") :])
-    res = run(unbroken_run_cmd(ref, nproc=6, steps=STEPS, extra=extra), timeout_s=300)
-    assert res.returncode == 0, res.output[-3000:]
-    return res.hashes()[0]
+
+    def compute() -> str:
+        ref = tmp_path_factory.mktemp("ref")
+        extra = list(JOB.train_command()[JOB.train_command().index("--ckpt-every") :])
+        res = run(unbroken_run_cmd(ref, nproc=6, steps=STEPS, extra=extra), timeout_s=300)
+        assert res.returncode == 0, res.output[-3000:]
+        return res.hashes()[0]
+
+    return once(request, compute)
 
 
 def _rounds(res: NodeLossResult) -> list[dict]:

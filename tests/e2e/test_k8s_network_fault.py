@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from once import once
 from procs import run, unbroken_run_cmd
 from unbroken.bench.k8s import NodeLoss, run_node_loss
 from unbroken.k8s.emulate.net import netns_unavailable
@@ -27,14 +28,18 @@ JOB = NodeLoss(nodes=2, nproc=1, lose=None, steps=STEPS, mode="netns", pod_resta
 
 
 @pytest.fixture(scope="module")
-def clean_hash(tmp_path_factory: pytest.TempPathFactory) -> str:
+def clean_hash(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> str:
     """final_state_sha256 of the same training, fault-free, 2 ranks on one node."""
-    ref = tmp_path_factory.mktemp("ref")
-    cmd = JOB.train_command()
-    extra = cmd[cmd.index("--ckpt-every") :]
-    res = run(unbroken_run_cmd(ref, nproc=2, steps=STEPS, extra=extra), timeout_s=300)
-    assert res.returncode == 0, res.output[-3000:]
-    return res.hashes()[0]
+
+    def compute() -> str:
+        ref = tmp_path_factory.mktemp("ref")
+        cmd = JOB.train_command()
+        extra = cmd[cmd.index("--ckpt-every") :]
+        res = run(unbroken_run_cmd(ref, nproc=2, steps=STEPS, extra=extra), timeout_s=300)
+        assert res.returncode == 0, res.output[-3000:]
+        return res.hashes()[0]
+
+    return once(request, compute)
 
 
 def test_a_slow_lossy_link_slows_the_job_and_restarts_nothing(

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from once import once
 from procs import popen, run, unbroken_run_cmd, worker_env
 from unbroken.ledger import read_events
 from unbroken.ports import spare_port
@@ -29,12 +30,16 @@ HASH = re.compile(r"final_state_sha256=([0-9a-f]{64})")
 
 
 @pytest.fixture(scope="module")
-def expected(tmp_path_factory: pytest.TempPathFactory) -> str:
+def expected(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> str:
     """final_state_sha256 of the same training, fault-free, 2 ranks on one node."""
-    ref_dir = tmp_path_factory.mktemp("ref")
-    ref = run(unbroken_run_cmd(ref_dir, nproc=2, steps=STEPS, extra=BATCH), timeout_s=180)
-    assert ref.returncode == 0, ref.output[-3000:]
-    return ref.hashes()[0]
+
+    def compute() -> str:
+        ref_dir = tmp_path_factory.mktemp("ref")
+        ref = run(unbroken_run_cmd(ref_dir, nproc=2, steps=STEPS, extra=BATCH), timeout_s=180)
+        assert ref.returncode == 0, ref.output[-3000:]
+        return ref.hashes()[0]
+
+    return once(request, compute)
 
 
 def _agent(run_dir: Path, port: int, *, host: bool, log: Path) -> subprocess.Popen[bytes]:

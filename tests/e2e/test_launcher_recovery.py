@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from once import once
 from procs import run, train_cmd, unbroken_run_cmd, worker_env
 from unbroken.launcher import errors, slowness
 from unbroken.ledger import goodput, read_events
@@ -30,15 +31,18 @@ def _agent(events: list, kind: str) -> list:
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory: pytest.TempPathFactory) -> str:
-    run_dir = tmp_path_factory.mktemp("reference")
-    res = run(unbroken_run_cmd(run_dir, nproc=2, steps=STEPS, extra=BATCH), timeout_s=TIMEOUT_S)
-    assert res.returncode == 0, res.output[-3000:]
-    assert len(res.hashes()) == 2 and len(set(res.hashes())) == 1
-    events = read_events(run_dir)
-    assert not _agent(events, "fault_detected")
-    assert _agent(events, "job_end")[0].get("status") == "ok"
-    return res.hashes()[0]
+def reference(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> str:
+    def compute() -> str:
+        run_dir = tmp_path_factory.mktemp("reference")
+        res = run(unbroken_run_cmd(run_dir, nproc=2, steps=STEPS, extra=BATCH), timeout_s=TIMEOUT_S)
+        assert res.returncode == 0, res.output[-3000:]
+        assert len(res.hashes()) == 2 and len(set(res.hashes())) == 1
+        events = read_events(run_dir)
+        assert not _agent(events, "fault_detected")
+        assert _agent(events, "job_end")[0].get("status") == "ok"
+        return res.hashes()[0]
+
+    return once(request, compute)
 
 
 def test_fault_free_run_matches_torchrun(reference: str, tmp_path: Path) -> None:

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from once import once
 from procs import run, unbroken_run_cmd
 from unbroken.ledger import goodput, read_events
 
@@ -45,10 +46,13 @@ def _loads(run_dir: Path) -> list:
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory: pytest.TempPathFactory) -> str:
-    hashes = _run(tmp_path_factory.mktemp("reference"))
-    assert len(set(hashes)) == 1
-    return hashes[0]
+def reference(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> str:
+    def compute() -> str:
+        hashes = _run(tmp_path_factory.mktemp("reference"))
+        assert len(set(hashes)) == 1
+        return hashes[0]
+
+    return once(request, compute)
 
 
 def test_an_exception_restores_the_last_step_from_memory(reference: str, tmp_path: Path) -> None:

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from once import once
 from procs import final, run, train_cmd
 from unbroken.bench.orchestrator import OrchestratorConfig, run_orchestrated, train_command
 from unbroken.ledger import goodput, read_events
@@ -14,14 +15,20 @@ ARGS = ["--steps", "8", "--seq-len", "32", "--batch-size", "4"]
 
 
 @pytest.fixture(scope="module")
-def clean_hash(tmp_path_factory: pytest.TempPathFactory) -> str:
+def clean_hash(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> str:
     """final_state_sha256 of the same job without faults."""
-    ref = run(
-        train_cmd(tmp_path_factory.mktemp("ref"), nproc=2, steps=8, extra=["--batch-size", "4"]),
-        timeout_s=120,
-    )
-    assert ref.returncode == 0, ref.output[-3000:]
-    return ref.hashes()[0]
+
+    def compute() -> str:
+        ref = run(
+            train_cmd(
+                tmp_path_factory.mktemp("ref"), nproc=2, steps=8, extra=["--batch-size", "4"]
+            ),
+            timeout_s=120,
+        )
+        assert ref.returncode == 0, ref.output[-3000:]
+        return ref.hashes()[0]
+
+    return once(request, compute)
 
 
 def test_sigkill_relaunches_the_whole_job_and_matches_a_clean_run(

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from once import once
 from procs import popen, run, unbroken_run_cmd
 from unbroken.checkpoint import layout
 from unbroken.ledger import goodput, read_events
@@ -29,10 +30,13 @@ def _cmd(run_dir: Path, *launcher_args: str, extra: tuple[str, ...] = ()) -> lis
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory: pytest.TempPathFactory) -> str:
-    res = run(_cmd(tmp_path_factory.mktemp("reference")), timeout_s=TIMEOUT_S)
-    assert res.returncode == 0 and len(set(res.hashes())) == 1, res.output[-3000:]
-    return res.hashes()[0]
+def reference(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> str:
+    def compute() -> str:
+        res = run(_cmd(tmp_path_factory.mktemp("reference")), timeout_s=TIMEOUT_S)
+        assert res.returncode == 0 and len(set(res.hashes())) == 1, res.output[-3000:]
+        return res.hashes()[0]
+
+    return once(request, compute)
 
 
 def _steps(events: list) -> list[int]:

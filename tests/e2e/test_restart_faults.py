@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from once import once
 from procs import VENV_BIN, worker_env
 from procs import run as run_cmd
 from unbroken.ledger import goodput, read_events
@@ -27,11 +28,14 @@ def train(run_dir: Path, *args: str, plan: str | None = None, **kw) -> list[Rank
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory: pytest.TempPathFactory) -> str:
-    ranks = train(tmp_path_factory.mktemp("ref") / "run")
-    assert all(r.returncode == 0 for r in ranks), describe(ranks)
-    (digest,) = set(ranks[0].hashes + ranks[1].hashes)
-    return digest
+def reference(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> str:
+    def compute() -> str:
+        ranks = train(tmp_path_factory.mktemp("ref") / "run")
+        assert all(r.returncode == 0 for r in ranks), describe(ranks)
+        (digest,) = set(ranks[0].hashes + ranks[1].hashes)
+        return digest
+
+    return once(request, compute)
 
 
 def assert_recovered(ranks: list[Rank], run_dir: Path, expected: str, faults: int) -> None:

@@ -16,6 +16,7 @@ import pytest
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from once import once
 from procs import run, unbroken_run_cmd
 from unbroken.dashboard.metrics import registry_for
 from unbroken.dashboard.runs import RunSet
@@ -37,10 +38,13 @@ def _run(run_dir: Path, plan: Path | None) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory: pytest.TempPathFactory) -> str:
-    hashes = _run(tmp_path_factory.mktemp("reference"), None)
-    assert len(set(hashes)) == 1
-    return hashes[0]
+def reference(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> str:
+    def compute() -> str:
+        hashes = _run(tmp_path_factory.mktemp("reference"), None)
+        assert len(set(hashes)) == 1
+        return hashes[0]
+
+    return once(request, compute)
 
 
 def _metrics(run_dir: Path) -> dict[str, dict[tuple, float]]:

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from once import once
 from procs import popen, run, unbroken_run_cmd
 from unbroken.checkpoint import layout
 from unbroken.ledger import goodput, read_events
@@ -40,11 +41,14 @@ def _hashes(res: run) -> list[str]:  # type: ignore[valid-type]
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory: pytest.TempPathFactory) -> str:
-    run_dir = tmp_path_factory.mktemp("reference")
-    hashes = _hashes(run(_cmd(run_dir), timeout_s=TIMEOUT_S))
-    assert len(set(hashes)) == 1
-    return hashes[0]
+def reference(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> str:
+    def compute() -> str:
+        run_dir = tmp_path_factory.mktemp("reference")
+        hashes = _hashes(run(_cmd(run_dir), timeout_s=TIMEOUT_S))
+        assert len(set(hashes)) == 1
+        return hashes[0]
+
+    return once(request, compute)
 
 
 def _fill(path: Path) -> None:

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from once import once
 from procs import run, unbroken_run_cmd
 from unbroken.ledger import goodput, read_events
 
@@ -34,10 +35,13 @@ def _run(run_dir: Path, plan: Path | None, *launcher_args: str, extra: list[str]
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory: pytest.TempPathFactory) -> str:
-    hashes = _run(tmp_path_factory.mktemp("reference"), None)
-    assert len(set(hashes)) == 1
-    return hashes[0]
+def reference(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> str:
+    def compute() -> str:
+        hashes = _run(tmp_path_factory.mktemp("reference"), None)
+        assert len(set(hashes)) == 1
+        return hashes[0]
+
+    return once(request, compute)
 
 
 def test_slow_storage_skips_saves_and_restarts_nothing(reference: str, tmp_path: Path) -> None:

@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from once import once
 from procs import run, unbroken_run_cmd, worker_env
 from unbroken.checkpoint import state_sha256
 from unbroken.ledger import goodput, read_run
@@ -93,13 +94,20 @@ def outside_band(curve: list[float], twins: list[list[float]]) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def twins(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str, list[float]]:
+def twins(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> tuple[str, str, list[float]]:
     """Fault-free: the plain script's final hash, the adopted one's, its loss curve."""
-    plain = tmp_path_factory.mktemp("plain")
-    _run(plain, "plain_example.py")
-    adopted = tmp_path_factory.mktemp("adopted")
-    curve = _loss_curve(_run(adopted, "example.py"))
-    return _final_sha256(plain), _final_sha256(adopted), curve
+
+    def compute() -> tuple[str, str, list[float]]:
+        plain = tmp_path_factory.mktemp("plain")
+        _run(plain, "plain_example.py")
+        adopted = tmp_path_factory.mktemp("adopted")
+        curve = _loss_curve(_run(adopted, "example.py"))
+        return _final_sha256(plain), _final_sha256(adopted), curve
+
+    plain, adopted, curve = once(request, compute)
+    return plain, adopted, curve
 
 
 def test_fault_free_the_example_is_deterministic_and_adopting_changes_nothing(
