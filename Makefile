@@ -30,8 +30,9 @@ browser:
 # (pytest-xdist; each has its own launch server, tests/launchpad.py, so a launch forks instead
 # of starting an interpreter that imports torch), then the serial ones (they measure time or
 # CPU shares) alone; the slowest tests are listed at the end of each part. The unit tests share
-# the first part, filling the CPU the multi-process tests leave idle while they wait.
-TEST_WORKERS ?= 2
+# the first part, filling the CPU the multi-process tests leave idle while they wait; three
+# processes on two cores, as those tests wait often (detection windows, restarts, pods).
+TEST_WORKERS ?= 3
 xdist = $(if $(filter-out 1,$(1)),-n $(1) --dist worksteal)
 test: $(STAMP) browser
 	$(PY) -m pytest -q $(call xdist,$(TEST_WORKERS)) -m "not serial" --durations=25 tests
