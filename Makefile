@@ -6,6 +6,10 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 PIP := $(PY) -m pip install -q --disable-pip-version-check -c constraints.txt
 export OMP_NUM_THREADS ?= 1
+# Bytecode caches are written (__pycache__, ignored by git) where the environment says not to:
+# without them every test process rewrites every test module's asserts while collecting, and
+# every interpreter started compiles the modules of ours it imports.
+unexport PYTHONDONTWRITEBYTECODE
 
 .PHONY: setup test test-fast test-browser demo lint bench soak clean browser
 
