@@ -152,14 +152,10 @@ def _supervise(conn: socket.socket, req: dict, fds: list[int], server: str) -> N
         for fd in set(fds):
             os.close(fd)
         os.chdir(req["cwd"])
-        # sys.path[0] as python sets it: the script's directory, "" for -c, else the cwd
-        sys.path[0] = (
-            os.path.dirname(file)
-            if target.endswith(".py")
-            else ""
-            if target == "-c"
-            else req["cwd"]
-        )
+        if target.endswith(".py"):  # sys.path[0] as python sets it
+            sys.path[0] = os.path.dirname(file)
+        else:
+            sys.path[0] = "" if target == "-c" else req["cwd"]
         if os.environ.get("PYTHONUNBUFFERED"):  # as ``python -u``
             for stream in (sys.stdout, sys.stderr):
                 stream.reconfigure(write_through=True, line_buffering=True)

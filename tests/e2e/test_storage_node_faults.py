@@ -61,8 +61,8 @@ def test_slow_storage_skips_saves_and_restarts_nothing(reference: str, tmp_path:
             key=lambda e: e.begin,
         )
         caps = [e.get("throttle_bytes_per_s") for e in persists]
-        assert persists[0].begin > injected.ts and caps[:2] == [2e6] * len(caps[:2]), caps
-        assert set(caps[2:]) <= {0.0}, caps
+        assert persists[0].begin > injected.ts, (persists[0], injected)
+        assert all(c == 2e6 for c in caps[:2]) and all(c == 0 for c in caps[2:]), caps
         for e in persists[:2]:
             assert e.dur_s >= 0.8 * e.get("bytes") / 2e6, e
     skipped = {e.get("step") for e in events if e.kind == "ckpt_skip"}

@@ -38,19 +38,18 @@ def write_atomic(
     target = Path(path)
     payload = data.encode() if isinstance(data, str) else data
     tmp = target.with_name(f"{target.name}.tmp-{uuid.uuid4().hex[:8]}")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
-    # The directory is opened before the rename and fsynced through that descriptor: another
-    # process may rename the directory once the target is in it (a checkpoint's coordinator
-    # commits ``step-N.partial`` as ``step-N`` the moment the last rank's done record is there).
-    dfd = None
+    # The directory is fsynced through a descriptor opened before the rename: another process
+    # may rename the directory once the target is in it (a checkpoint's coordinator commits
+    # ``step-N.partial`` as ``step-N`` the moment the last rank's done record is there).
+    dfd = os.open(target.parent, os.O_RDONLY | os.O_DIRECTORY) if durable else None
     try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
         try:
             view = memoryview(payload)
             while view:
                 view = view[os.write(fd, view) :]
             if durable:
                 os.fsync(fd)
-                dfd = os.open(target.parent, os.O_RDONLY | os.O_DIRECTORY)
         finally:
             os.close(fd)
         os.replace(tmp, target)

@@ -227,7 +227,7 @@ class Inflight:
                 writer_rss_bytes=msg["rss_bytes"],
                 # the write-rate cap this save obeyed (bytes/s; 0: none), a slow-storage
                 # fault's included: which saves were slow by design, not by the storage
-                throttle_bytes_per_s=msg.get("throttle_bytes_per_s", 0.0),
+                throttle_bytes_per_s=msg["throttle_bytes_per_s"],
             )
             if self.rank != 0:
                 self.stats.committed += 1
