@@ -70,16 +70,18 @@ def test_a_large_arena_is_laid_out_on_the_stager_thread_before_the_first_save(
     ck = Checkpointer(tmp_path / "ckpt", ledger=led, config=no_snapshots)
     assert not ck.maybe_save(0, {"model": model})  # no save: the arena laid out meanwhile
     ck.wait_staged()
-    assert (ck.staging_bytes >= nbytes) is big and (ck.staging_bytes == 0) is not big
+    ahead = ck.staging_bytes
+    assert (ahead >= nbytes) is big and (ahead == 0) is not big
     ck.maybe_save(1, {"model": model})
     assert ck.maybe_save(2, {"model": model})  # the first save
     assert ck.wait()
+    # The first save used the arena laid out ahead, or allocated its own.
+    assert ck.staging_bytes >= nbytes and (ck.staging_bytes == ahead) is big
     ck.close()
     led.close()
     stages = [e for e in read_events(tmp_path) if e.kind == "ckpt_stage"]
     [save] = [e for e in stages if e.get("part") is None]
     assert save.get("step") == 2
-    assert (save.get("alloc_s") < 0.001) is big, save.data  # allocated ahead, or in the save
     restored = _Flat(nbytes, seed=1)
     with Checkpointer(tmp_path / "ckpt", memory_tier=False) as ck2:
         assert ck2.restore({"model": restored}) == 2
